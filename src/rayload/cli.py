@@ -1,0 +1,133 @@
+"""The ``rayload`` command.
+
+Each sub-command is one ``_cmd_<name>(args) -> int`` function that parses nothing itself
+and calls the library; ``main`` turns :class:`~rayload.errors.RayloadError` into one line
+on stderr and the error's exit code (2 bad input, 1 failed load), with the traceback only
+under ``--debug``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import NoReturn
+
+from rayload.errors import RayloadError
+
+log = logging.getLogger(__name__)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    raise NotImplementedError
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    raise NotImplementedError
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    raise NotImplementedError
+
+
+def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
+    raise NotImplementedError
+
+
+def _cmd_load(args: argparse.Namespace) -> int:
+    raise NotImplementedError
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    raise NotImplementedError
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    raise NotImplementedError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="rayload", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def add(name: str, func: Callable[[argparse.Namespace], int], help: str) -> _Parser:
+        p: _Parser = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(func=func)
+        return p
+
+    p = add("inspect", _cmd_inspect, "list a checkpoint's files, tensors, dtypes and shapes")
+    p.add_argument("dir")
+    p.add_argument("--json", action="store_true")
+
+    p = add("plan", _cmd_plan, "show per-rank bytes, replicated bytes and read amplification")
+    p.add_argument("dir")
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--rules", help="sharding rules file (JSON)")
+    p.add_argument("--json", action="store_true")
+
+    p = add("convert", _cmd_convert, "write a pre-sharded checkpoint for one tp size")
+    p.add_argument("dir")
+    p.add_argument("out")
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--rules", help="sharding rules file (JSON)")
+
+    p = add("make-checkpoint", _cmd_make_checkpoint, "write a synthetic Llama-style checkpoint")
+    p.add_argument("out")
+    p.add_argument("--preset", default="tiny-llama", choices=["tiny-llama", "llama-1b"])
+    p.add_argument("--size-gb", type=float, help="scale the layer count to about this size")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
+    p.add_argument("--files", type=int, help="number of safetensors files (default: by size)")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = add("load", _cmd_load, "load a checkpoint onto Ray, one actor per TP rank")
+    p.add_argument("dir")
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--method", default="auto")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--strict-method", action="store_true")
+    p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
+    p.add_argument(
+        "--placement-strategy", default="STRICT_PACK", choices=["STRICT_PACK", "PACK", "SPREAD"]
+    )
+    p.add_argument("--trace-dir")
+    p.add_argument("--otlp-endpoint")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--json", action="store_true")
+
+    p = add("demo", _cmd_demo, "load a tiny generated model with TP=2 on a local Ray")
+    p.add_argument("--trace-dir", default="rayload-demo-traces")
+    p.add_argument("--tp", type=int, default=2)
+
+    p = add("bench", _cmd_bench, "benchmark rayload against peers and the disk limit")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args))
+    except RayloadError as exc:
+        if args.debug:
+            raise
+        print(f"rayload: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("rayload: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The one exception tree of rayload.
+
+::
+
+    RayloadError                      root: catch this to catch everything rayload raises
+    ├── InputError                    bad input or arguments; the CLI exits with code 2
+    │   ├── CheckpointError           a checkpoint file, header, index or manifest is wrong
+    │   ├── ShardingError             a tensor cannot be split as the rules say
+    │   ├── ConfigError               a user option, rules file or device request is invalid
+    │   └── MethodUnavailableError    the requested load method cannot run here and
+    │                                 ``strict`` forbids falling back
+    └── LoadFailedError               a load started but did not finish; the CLI exits with 1
+        ├── RankFailedError           one rank raised, or its actor died
+        └── RankTimeoutError          one rank did not finish within the timeout
+
+Messages name the file, tensor, rank or node concerned and say what to do. Foreign
+exceptions (``OSError``, ``json.JSONDecodeError``, Ray's errors) are translated at the
+boundary with ``raise ... from exc`` so the cause stays attached.
+"""
+
+from __future__ import annotations
+
+
+class RayloadError(Exception):
+    """Root of every error rayload raises on purpose."""
+
+    exit_code = 1
+
+
+class InputError(RayloadError):
+    """The user's input (paths, files, options) is wrong; nothing was loaded."""
+
+    exit_code = 2
+
+
+class CheckpointError(InputError):
+    """A checkpoint is malformed or inconsistent.
+
+    ``file`` and ``tensor`` name what is wrong so a caller can act on it without
+    parsing the message.
+    """
+
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
+        super().__init__(message)
+        self.file = file
+        self.tensor = tensor
+
+
+class ShardingError(InputError):
+    """A tensor cannot be sharded as the rules ask (e.g. a dimension not divisible by tp)."""
+
+    def __init__(self, message: str, *, tensor: str | None = None, file: str | None = None):
+        super().__init__(message)
+        self.tensor = tensor
+        self.file = file
+
+
+class ConfigError(InputError):
+    """An option, a rules file or a device request is invalid."""
+
+
+class MethodUnavailableError(InputError):
+    """``strict`` was set and the requested load method would have fallen back."""
+
+
+class LoadFailedError(RayloadError):
+    """A load started but at least one rank did not finish it."""
+
+    exit_code = 1
+
+
+class RankFailedError(LoadFailedError):
+    """A rank raised or its actor died. ``rank``, ``node_id`` and ``cause`` say which and why."""
+
+    def __init__(self, message: str, *, rank: int, node_id: str | None, cause: str):
+        super().__init__(message)
+        self.rank = rank
+        self.node_id = node_id
+        self.cause = cause
+
+
+class RankTimeoutError(LoadFailedError):
+    """A rank did not finish within the load's timeout."""
+
+    def __init__(self, message: str, *, rank: int, node_id: str | None, timeout_s: float):
+        super().__init__(message)
+        self.rank = rank
+        self.node_id = node_id
+        self.timeout_s = timeout_s

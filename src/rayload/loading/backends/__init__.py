@@ -1,0 +1,1 @@
+"""loading/backends"""

@@ -1,0 +1,99 @@
+"""Plain records a rank load produces: timed phases and the rank report.
+
+They are frozen dataclasses so they pickle cheaply across Ray and carry no OpenTelemetry
+objects: ``loading/`` records *when* each phase ran; ``tracing/`` turns the records into
+spans.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from rayload.loading.methods import MethodReport
+
+PHASES = ("rank.resolve", "rank.plan", "rank.read", "rank.to_device", "rank.sync", "rank.post_load")
+"""Span names of a rank's phases, all children of ``rank.load``."""
+
+
+@dataclass(frozen=True)
+class PhaseRecord:
+    """One timed phase. Times are ``time.time_ns()`` wall-clock nanoseconds of the process
+    that ran it (the driver corrects for clock offsets later)."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def seconds(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9
+
+
+class PhaseTimer:
+    """Collects :class:`PhaseRecord` s; ``with timer.phase("rank.read"):`` times a block.
+
+    A phase that raises is still recorded, with ``error`` set, and the exception propagates.
+    """
+
+    def __init__(self) -> None:
+        self.records: list[PhaseRecord] = []
+
+    @contextmanager
+    def phase(self, name: str, **attributes: Any) -> Iterator[dict[str, Any]]:
+        """Time the block; the yielded dict may be filled with attributes inside it."""
+        attrs = dict(attributes)
+        start = time.time_ns()
+        try:
+            yield attrs
+        except BaseException as exc:
+            self.records.append(PhaseRecord(name, start, time.time_ns(), attrs, repr(exc)))
+            raise
+        self.records.append(PhaseRecord(name, start, time.time_ns(), attrs))
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank did. Same fields as an entry of ``rayload load --json``'s ``ranks``.
+
+    ``start_ns``/``end_ns`` bound the whole rank load (from the start of config parsing to
+    the end of post-load work); ``phases`` are the timed children.
+    """
+
+    rank: int
+    tp_size: int
+    device: str
+    method: MethodReport
+    bytes_read: int
+    tensors: int
+    start_ns: int
+    end_ns: int
+    files: tuple[str, ...] = ()
+    phases: tuple[PhaseRecord, ...] = ()
+    node_id: str | None = None
+    model_role: str = "main"
+
+    @property
+    def seconds(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9
+
+    def phase_seconds(self, name: str) -> float:
+        """Total seconds spent in phases called ``name`` (0.0 if none ran)."""
+        return sum(p.seconds for p in self.phases if p.name == name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``--json`` shape of one rank."""
+        return {
+            "rank": self.rank,
+            "node_id": self.node_id,
+            "device": self.device,
+            "method": self.method.to_dict(),
+            "bytes_read": self.bytes_read,
+            "tensors": self.tensors,
+            "seconds": round(self.seconds, 6),
+        }
