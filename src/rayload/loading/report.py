@@ -8,7 +8,7 @@ spans.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,22 +39,25 @@ class PhaseTimer:
     """Collects :class:`PhaseRecord` s; ``with timer.phase("rank.read"):`` times a block.
 
     A phase that raises is still recorded, with ``error`` set, and the exception propagates.
+    ``clock`` returns wall-clock nanoseconds; tests inject a skewed one to model another
+    node's clock.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], int] = time.time_ns) -> None:
+        self.clock = clock
         self.records: list[PhaseRecord] = []
 
     @contextmanager
     def phase(self, name: str, **attributes: Any) -> Iterator[dict[str, Any]]:
         """Time the block; the yielded dict may be filled with attributes inside it."""
         attrs = dict(attributes)
-        start = time.time_ns()
+        start = self.clock()
         try:
             yield attrs
         except BaseException as exc:
-            self.records.append(PhaseRecord(name, start, time.time_ns(), attrs, repr(exc)))
+            self.records.append(PhaseRecord(name, start, self.clock(), attrs, repr(exc)))
             raise
-        self.records.append(PhaseRecord(name, start, time.time_ns(), attrs))
+        self.records.append(PhaseRecord(name, start, self.clock(), attrs))
 
 
 @dataclass(frozen=True)
