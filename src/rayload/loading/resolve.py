@@ -1,0 +1,212 @@
+"""Which load method and device a rank uses: a pure function of the request, the
+environment probe and the checkpoint layout.
+
+The decision table is in docs/load-methods.md; every branch has a unit test with a
+synthetic :class:`~rayload.loading.probe.EnvProbe`. :func:`resolve_method` only decides;
+:func:`log_fallback` is the thin wrapper callers use so that a fallback is never silent.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from rayload.errors import CheckpointError, ConfigError, MethodUnavailableError
+from rayload.loading.checkpoint import Checkpoint, Layout
+from rayload.loading.methods import LoadMethod
+from rayload.loading.probe import EnvProbe
+
+log = logging.getLogger(__name__)
+
+MANIFEST_NAME = "rayload-manifest.json"
+
+
+@dataclass(frozen=True)
+class LayoutInfo:
+    """The facts about a checkpoint that resolution depends on.
+
+    ``converted_tp_size`` is the tp size a ``converted`` checkpoint was written for (None
+    for Hugging Face layouts).
+    """
+
+    layout: Layout
+    root: str
+    converted_tp_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.layout == "converted") != (self.converted_tp_size is not None):
+            raise ValueError("converted_tp_size is set exactly for the converted layout")
+
+    @classmethod
+    def of(cls, checkpoint: Checkpoint) -> LayoutInfo:
+        return cls(checkpoint.layout, checkpoint.root, checkpoint.tp_size)
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The method and device a rank will use.
+
+    ``reason`` says why ``selected`` was chosen (for ``auto`` too); ``fallback_reason``
+    is None exactly when ``selected`` is what was requested or what ``auto`` chose.
+    """
+
+    requested: LoadMethod
+    selected: LoadMethod
+    device: str
+    reason: str
+    fallback_reason: str | None = None
+
+
+def parse_method(method: LoadMethod | str) -> LoadMethod:
+    """``method`` as a :class:`LoadMethod`; ConfigError listing the valid values if unknown."""
+    try:
+        return LoadMethod(method)
+    except ValueError:
+        valid = ", ".join(m.value for m in LoadMethod)
+        raise ConfigError(f"unknown load method {method!r}; valid values: {valid}") from None
+
+
+def resolve_device(device: str | torch.device, probe: EnvProbe) -> str:
+    """``auto``/``cpu``/``cuda``/``cuda:N`` to a concrete device string.
+
+    ``auto`` is the local GPU (``cuda:0`` of the visible set) when CUDA is available, else
+    ``cpu``. Asking for CUDA where there is none is a ConfigError, not a fallback: the
+    caller asked for a device, not a method.
+    """
+    text = str(device)
+    if text == "auto":
+        return "cuda:0" if probe.cuda_available and probe.device_count > 0 else "cpu"
+    try:
+        parsed = torch.device(text)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {text!r}; use auto, cpu, cuda or cuda:N") from None
+    if parsed.type == "cpu":
+        return "cpu"
+    if parsed.type != "cuda":
+        raise ConfigError(f"unsupported device {text!r}; use auto, cpu, cuda or cuda:N")
+    if not probe.cuda_available or probe.device_count == 0:
+        raise ConfigError(
+            f"device {text!r} requested but CUDA is not available in this process; "
+            "use --device cpu or auto, or run on a node with a visible GPU"
+        )
+    index = parsed.index or 0
+    if index >= probe.device_count:
+        raise ConfigError(
+            f"device {text!r} requested but only {probe.device_count} CUDA device(s) are "
+            "visible; a rank uses its local device, cuda:0 of its visible set"
+        )
+    return f"cuda:{index}"
+
+
+def resolve_method(
+    requested: LoadMethod | str,
+    probe: EnvProbe,
+    layout_info: LayoutInfo,
+    *,
+    tp_size: int,
+    device: str | torch.device,
+    strict: bool,
+) -> Resolution:
+    """Decide the method and device for a rank loading ``tp_size`` shards.
+
+    Raises ConfigError for an unknown method or an unusable device, CheckpointError for a
+    converted checkpoint written for another tp size, and MethodUnavailableError when
+    ``strict`` and the requested method would fall back.
+    """
+    method = parse_method(requested)
+    resolved_device = resolve_device(device, probe)
+    _check_converted_tp(layout_info, tp_size)
+    if method is LoadMethod.AUTO:
+        selected, reason = _choose_auto(probe, layout_info, resolved_device, tp_size)
+        return Resolution(method, selected, resolved_device, reason)
+
+    selected, reasons = method, []
+    while (step := _fallback(selected, probe, layout_info, resolved_device, tp_size)) is not None:
+        selected, why = step
+        reasons.append(why)
+    if not reasons:
+        return Resolution(method, method, resolved_device, f"{method.value} was requested")
+    fallback_reason = "; ".join(reasons)
+    if strict:
+        raise MethodUnavailableError(
+            f"load method {method.value!r} cannot run here: {fallback_reason} "
+            f"(strict mode forbids falling back to {selected.value!r}; drop --strict-method "
+            "or choose another --method)"
+        )
+    return Resolution(
+        method,
+        selected,
+        resolved_device,
+        f"{method.value} was requested but fell back to {selected.value}",
+        fallback_reason,
+    )
+
+
+def log_fallback(rank: int, requested: LoadMethod, used: LoadMethod, reason: str | None) -> None:
+    """Log a WARNING when a rank does not run the method it was asked for."""
+    if reason is not None:
+        log.warning(
+            "rank %d: load method %s falls back to %s: %s",
+            rank,
+            requested.value,
+            used.value,
+            reason,
+        )
+
+
+def _check_converted_tp(layout_info: LayoutInfo, tp_size: int) -> None:
+    converted_tp = layout_info.converted_tp_size
+    if layout_info.layout == "converted" and converted_tp != tp_size:
+        manifest = f"{layout_info.root.rstrip('/')}/{MANIFEST_NAME}"
+        raise CheckpointError(
+            f"{manifest}: checkpoint was converted for tp_size={converted_tp}, not "
+            f"{tp_size}; load it with --tp {converted_tp} or convert the original "
+            f"checkpoint again with `rayload convert SRC OUT --tp {tp_size}`",
+            file=manifest,
+        )
+
+
+def _choose_auto(
+    probe: EnvProbe, layout_info: LayoutInfo, device: str, tp_size: int
+) -> tuple[LoadMethod, str]:
+    if layout_info.layout == "converted":
+        return LoadMethod.CONVERTED, f"checkpoint was converted for tp_size={tp_size}"
+    if device == "cpu":
+        return LoadMethod.SCRATCH, "device is cpu: rayload's shard-exact reader"
+    if probe.gds_available and probe.fastsafetensors_installed:
+        return (
+            LoadMethod.FASTSAFETENSORS_GDR,
+            "CUDA device, GPUDirect Storage and fastsafetensors are available",
+        )
+    missing = probe.gds_missing_reason or "fastsafetensors is not installed"
+    return LoadMethod.SCRATCH, f"no direct storage-to-GPU path ({missing}): rayload's reader"
+
+
+def _fallback(
+    method: LoadMethod, probe: EnvProbe, layout_info: LayoutInfo, device: str, tp_size: int
+) -> tuple[LoadMethod, str] | None:
+    """The method to try instead of ``method`` and why, or None when ``method`` can run
+    here. Scratch and dummy always can, so repeated fallback ends."""
+    if method is LoadMethod.CONVERTED and layout_info.layout != "converted":
+        return LoadMethod.SCRATCH, (
+            f"no {MANIFEST_NAME} in {layout_info.root}; run `rayload convert "
+            f"{layout_info.root} OUT --tp {tp_size}` and load OUT"
+        )
+    uses_fst = method in (LoadMethod.FASTSAFETENSORS, LoadMethod.FASTSAFETENSORS_GDR)
+    if uses_fst and not probe.fastsafetensors_installed:
+        detail = f" ({probe.fastsafetensors_error})" if probe.fastsafetensors_error else ""
+        return LoadMethod.SCRATCH, (
+            f"fastsafetensors is not installed{detail}; pip install fastsafetensors"
+        )
+    if method is LoadMethod.FASTSAFETENSORS_GDR:
+        if device == "cpu":
+            return LoadMethod.FASTSAFETENSORS, (
+                "GPUDirect Storage copies into GPU memory but the device is cpu"
+            )
+        if not probe.gds_available:
+            return LoadMethod.FASTSAFETENSORS, (
+                f"GPUDirect Storage is unavailable: {probe.gds_missing_reason}"
+            )
+    return None
