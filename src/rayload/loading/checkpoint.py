@@ -5,42 +5,48 @@ Layouts (see DESIGN.md "Checkpoint layouts"):
 * ``hf_single``: one ``model.safetensors``
 * ``hf_index``: ``model.safetensors.index.json`` + the shard files it names
 * ``converted``: ``rayload-manifest.json`` + ``model-rank-{rank}-part-{part}.safetensors``
+
+Detection, for a directory: an index makes it ``hf_index``, else a manifest makes it
+``converted``, else ``model.safetensors`` or the directory's only ``*.safetensors`` file
+makes it ``hf_single``. A path to a ``.safetensors`` file is ``hf_single``.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from rayload.errors import CheckpointError
+from rayload.loading.header import FileHeader, TensorInfo, read_header
+from rayload.loading.manifest import MANIFEST_NAME, Manifest, read_manifest
+
+__all__ = ["Checkpoint", "Layout", "TensorInfo", "open_checkpoint"]
+
+log = logging.getLogger(__name__)
+
 Layout = Literal["hf_single", "hf_index", "converted"]
 
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor lives. ``start``/``end`` are absolute byte offsets in ``file``
-    (header included), so ``end - start == nbytes``."""
-
-    name: str
-    dtype: str  # safetensors dtype string: "BF16", "F16", "F32", "I32", ...
-    shape: tuple[int, ...]
-    file: str  # absolute path
-    start: int
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
+_MAX_HEADER_THREADS = 16
 
 
 @dataclass(frozen=True)
 class Checkpoint:
     """A validated checkpoint: every header parsed and checked, no tensor data read.
 
-    For the ``converted`` layout, ``tensors`` holds the *sharded* tensors of every rank file
-    keyed by name (names repeat across ranks, so use ``rank_tensors(rank)``), ``manifest``
-    holds the parsed manifest and ``tp_size`` the tp size it was converted for.
+    For the Hugging Face layouts ``tensors`` holds every tensor, in file then offset order.
+    For the ``converted`` layout tensor names repeat across ranks: ``tensors`` holds rank
+    0's shards and :meth:`rank_tensors` any rank's; ``manifest`` is the parsed
+    :class:`~rayload.loading.manifest.Manifest`, ``tp_size`` the tp size it was converted
+    for and ``rank_files`` each rank's files.
     """
 
     root: str
@@ -48,9 +54,10 @@ class Checkpoint:
     files: tuple[str, ...]
     tensors: Mapping[str, TensorInfo]
     config: Mapping[str, Any] | None
-    manifest: Any = None  # rayload.loading.convert.Manifest for the converted layout
+    manifest: Manifest | None = None
     tp_size: int | None = None
     rank_files: Mapping[int, tuple[str, ...]] | None = None
+    by_rank: Mapping[int, Mapping[str, TensorInfo]] | None = None
 
     @property
     def architecture(self) -> str | None:
@@ -61,6 +68,19 @@ class Checkpoint:
     def total_bytes(self) -> int:
         return sum(os.path.getsize(f) for f in self.files)
 
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of tensor data in every file (headers excluded)."""
+        tables = self.by_rank.values() if self.by_rank is not None else [self.tensors]
+        return sum(t.nbytes for table in tables for t in table.values())
+
+    def rank_tensors(self, rank: int) -> Mapping[str, TensorInfo]:
+        """The tensors stored for ``rank``: its own shards for the converted layout,
+        every tensor otherwise."""
+        if self.by_rank is None:
+            return self.tensors
+        return self.by_rank[rank]
+
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Find the layout of ``path`` (a directory or a ``.safetensors`` file), parse and
@@ -69,4 +89,247 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     Raises :class:`rayload.errors.CheckpointError` naming the file (and tensor) on any of
     the bad inputs listed in DESIGN.md.
     """
-    raise NotImplementedError
+    given = os.path.abspath(os.fspath(path))
+    if os.path.isfile(given):
+        if not given.endswith(".safetensors"):
+            raise CheckpointError(
+                f"{given}: not a .safetensors file; pass the checkpoint directory instead",
+                file=given,
+            )
+        root = os.path.dirname(given)
+        return _single(root, given, _read_config(root))
+    if not os.path.isdir(given):
+        raise CheckpointError(
+            f"{given}: no such file or directory; pass a checkpoint directory or a "
+            f".safetensors file",
+            file=given,
+        )
+    config = _read_config(given)
+    if os.path.isfile(os.path.join(given, INDEX_NAME)):
+        return _indexed(given, config)
+    if os.path.isfile(os.path.join(given, MANIFEST_NAME)):
+        return _converted(given, config)
+    return _single(given, _find_single(given), config)
+
+
+def _find_single(root: str) -> str:
+    if os.path.isfile(os.path.join(root, SINGLE_NAME)):
+        return os.path.join(root, SINGLE_NAME)
+    found = sorted(n for n in os.listdir(root) if n.endswith(".safetensors"))
+    if len(found) == 1:
+        return os.path.join(root, found[0])
+    if not found:
+        raise CheckpointError(
+            f"{root}: no .safetensors file, {INDEX_NAME} or {MANIFEST_NAME}; "
+            f"is this a checkpoint directory?",
+            file=root,
+        )
+    raise CheckpointError(
+        f"{root}: {len(found)} .safetensors files but no {INDEX_NAME} saying which tensor is "
+        f"where; add the index or keep a single model.safetensors",
+        file=root,
+    )
+
+
+def _single(root: str, file: str, config: Mapping[str, Any] | None) -> Checkpoint:
+    header = read_header(file)
+    return Checkpoint(root, "hf_single", (file,), header.tensors, config)
+
+
+def _indexed(root: str, config: Mapping[str, Any] | None) -> Checkpoint:
+    index_path = os.path.join(root, INDEX_NAME)
+    weight_map = _read_weight_map(index_path)
+    names = sorted(set(weight_map.values()))
+    paths = {name: inside_root(root, name, referrer=index_path) for name in names}
+    headers = dict(zip(names, read_headers([paths[n] for n in names]), strict=True))
+    tensors: dict[str, TensorInfo] = {}
+    for name, header in headers.items():
+        wanted = {t for t, f in weight_map.items() if f == name}
+        if missing := sorted(wanted - header.tensors.keys()):
+            raise CheckpointError(
+                f"{index_path}: weight_map puts tensor {missing[0]!r} in {header.file}, which "
+                f"has no such tensor; the index does not match the files: re-download them",
+                file=header.file,
+                tensor=missing[0],
+            )
+        if extra := sorted(header.tensors.keys() - wanted):
+            log.warning(
+                "%s holds %d tensors the index does not list (e.g. %s); they are ignored",
+                header.file,
+                len(extra),
+                extra[0],
+            )
+        tensors.update((t, info) for t, info in header.tensors.items() if t in wanted)
+    return Checkpoint(root, "hf_index", tuple(paths[n] for n in names), tensors, config)
+
+
+def _converted(root: str, config: Mapping[str, Any] | None) -> Checkpoint:
+    manifest_path = os.path.join(root, MANIFEST_NAME)
+    manifest = read_manifest(manifest_path)
+    on_disk = {n for n in os.listdir(root) if n.endswith(".safetensors")}
+    if stray := sorted(on_disk - manifest.files.keys()):
+        raise CheckpointError(
+            f"{manifest_path}: {os.path.join(root, stray[0])} is not listed in the manifest; "
+            f"the directory mixes two conversions: re-run `rayload convert` into an empty "
+            f"directory",
+            file=os.path.join(root, stray[0]),
+        )
+    rank_files: dict[int, tuple[str, ...]] = {}
+    for rank in range(manifest.tp_size):
+        rank_files[rank] = tuple(
+            _checked_rank_file(root, name, manifest, manifest_path) for name in manifest.ranks[rank]
+        )
+    files = tuple(f for rank in range(manifest.tp_size) for f in rank_files[rank])
+    headers = dict(zip(files, read_headers(list(files)), strict=True))
+    by_rank = {
+        rank: _rank_tensors(rank, [headers[f] for f in paths], manifest, manifest_path)
+        for rank, paths in rank_files.items()
+    }
+    return Checkpoint(
+        root,
+        "converted",
+        files,
+        by_rank[0],
+        config,
+        manifest=manifest,
+        tp_size=manifest.tp_size,
+        rank_files=rank_files,
+        by_rank=by_rank,
+    )
+
+
+def _checked_rank_file(root: str, name: str, manifest: Manifest, manifest_path: str) -> str:
+    path = inside_root(root, name, referrer=manifest_path)
+    size, expected = os.path.getsize(path), manifest.files[name].size
+    if size != expected:
+        raise CheckpointError(
+            f"{path}: is {size} bytes but {manifest_path} says {expected}; the file is "
+            f"truncated or was rewritten: re-run `rayload convert`",
+            file=path,
+        )
+    return path
+
+
+def _rank_tensors(
+    rank: int, headers: list[FileHeader], manifest: Manifest, manifest_path: str
+) -> dict[str, TensorInfo]:
+    """Rank ``rank``'s tensors across its files, checked against the manifest: each one
+    listed there and shaped as its split of the full shape says."""
+    tensors: dict[str, TensorInfo] = {}
+    for header in headers:
+        for name, info in header.tensors.items():
+            if name in tensors:
+                raise CheckpointError(
+                    f"{info.file}: tensor {name!r} of rank {rank} is also in "
+                    f"{tensors[name].file}; re-run `rayload convert`",
+                    file=info.file,
+                    tensor=name,
+                )
+            if name not in manifest.splits:
+                raise CheckpointError(
+                    f"{info.file}: tensor {name!r} is not in {manifest_path}; "
+                    f"re-run `rayload convert`",
+                    file=info.file,
+                    tensor=name,
+                )
+            expected = shard_shape(
+                tuple(manifest.full_shapes[name]), manifest.splits[name], manifest.tp_size
+            )
+            if info.shape != expected:
+                raise CheckpointError(
+                    f"{info.file}: tensor {name!r} of rank {rank} has shape {list(info.shape)}, "
+                    f"but the manifest's full shape and split give {list(expected)}; "
+                    f"re-run `rayload convert`",
+                    file=info.file,
+                    tensor=name,
+                )
+            tensors[name] = info
+    if missing := sorted(manifest.splits.keys() - tensors.keys()):
+        raise CheckpointError(
+            f"{manifest_path}: rank {rank}'s files {[h.file for h in headers]} lack tensor "
+            f"{missing[0]!r} (and {len(missing) - 1} more); re-run `rayload convert`",
+            file=manifest_path,
+            tensor=missing[0],
+        )
+    return tensors
+
+
+def shard_shape(full_shape: tuple[int, ...], split: int | None, tp_size: int) -> tuple[int, ...]:
+    """The shape of one rank's shard of a ``full_shape`` tensor cut on ``split``
+    (divisibility is the caller's check)."""
+    if split is None or split >= len(full_shape):
+        return full_shape
+    return (*full_shape[:split], full_shape[split] // tp_size, *full_shape[split + 1 :])
+
+
+def _read_weight_map(index_path: str) -> dict[str, str]:
+    data = read_json(index_path, what="index")
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and v for k, v in weight_map.items()
+    ):
+        raise CheckpointError(
+            f"{index_path}: has no 'weight_map' object mapping tensor names to file names; "
+            f"re-download the index",
+            file=index_path,
+        )
+    if not weight_map:
+        raise CheckpointError(
+            f"{index_path}: 'weight_map' is empty; re-download the index", file=index_path
+        )
+    return weight_map
+
+
+def inside_root(root: str, name: str, *, referrer: str) -> str:
+    """The absolute path of file ``name`` listed in ``referrer``, checked to exist and to
+    stay inside ``root`` once symlinks are resolved."""
+    candidate = os.path.join(root, name)
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(candidate)
+    if os.path.isabs(name) or os.path.commonpath([real_root, real]) != real_root:
+        raise CheckpointError(
+            f"{referrer}: names file {name!r}, which is outside the checkpoint directory "
+            f"{root}; refusing to read it: fix the index so it lists files in the directory",
+            file=candidate,
+        )
+    if not os.path.isfile(real):
+        raise CheckpointError(
+            f"{referrer}: names file {name!r}, which does not exist in {root}; the download "
+            f"is incomplete: fetch the missing file",
+            file=candidate,
+        )
+    return os.path.abspath(candidate)
+
+
+def read_headers(paths: list[str]) -> list[FileHeader]:
+    """Headers of ``paths``, in order; read in parallel (network filesystems pay a round
+    trip per file), the first error raised in path order."""
+    if len(paths) <= 1:
+        return [read_header(p) for p in paths]
+    with ThreadPoolExecutor(min(_MAX_HEADER_THREADS, len(paths))) as pool:
+        return list(pool.map(read_header, paths))
+
+
+def read_json(path: str, *, what: str) -> Any:
+    """The JSON document at ``path``; CheckpointError naming it and ``what`` it is."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise CheckpointError(
+            f"{path}: cannot read the {what} ({exc.strerror})", file=path
+        ) from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(
+            f"{path}: the {what} is not valid JSON ({exc}); re-download or fix it", file=path
+        ) from exc
+
+
+def _read_config(root: str) -> Mapping[str, Any] | None:
+    path = os.path.join(root, CONFIG_NAME)
+    if not os.path.isfile(path):
+        return None
+    config = read_json(path, what="model config")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: the model config is not a JSON object", file=path)
+    return config

@@ -1,12 +1,27 @@
 """Shard planning: which exact byte ranges each TP rank reads.
 
 A plan is pure data computed from headers and sharding rules; backends execute it.
+
+Byte layout of a shard, for a row-major tensor of shape ``(d0, d1, *rest)`` cut ``tp`` ways:
+
+* split 0: rank ``r`` holds rows ``[r*d0/tp, (r+1)*d0/tp)``, one contiguous range;
+* split 1: every row ``i`` of the ``d0 x (d1 * rest)`` view contributes the contiguous block
+  of columns ``[r*d1/tp, (r+1)*d1/tp)`` (with all of ``rest``): ``d0`` ranges of
+  ``d1/tp * prod(rest) * itemsize`` bytes, one row stride apart (one range when tp is 1);
+* replicated: the whole tensor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+from rayload.errors import CheckpointError, ConfigError, ShardingError
+from rayload.loading.checkpoint import Checkpoint, TensorInfo, open_checkpoint, shard_shape
+from rayload.loading.dtypes import DTYPES
+from rayload.loading.rules import RulesArg, RuleSet, resolve_rules
 
 
 @dataclass(frozen=True)
@@ -59,30 +74,184 @@ class RankPlan:
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """The plan of every rank, plus what sharding costs."""
+    """The plan of every rank, plus what sharding costs.
+
+    ``unmatched`` names the tensors replicated only because no rule matched them;
+    ``rules_source`` says which rules were used (``preset:<arch>``, a file path,
+    ``manifest`` for a converted checkpoint, or ``none``).
+    """
 
     tp_size: int
     ranks: tuple[RankPlan, ...]
     splits: Mapping[str, int | None]
-    checkpoint_bytes: int  # tensor bytes in the checkpoint (headers excluded)
+    checkpoint_bytes: int  # tensor bytes of the unsharded model (headers excluded)
+    unmatched: tuple[str, ...] = ()
+    rules_source: str = ""
+    layout: str = ""
 
     def split_dim(self, name: str) -> int | None:
         """0, 1 or None (replicated) for tensor ``name``; KeyError if unknown."""
         return self.splits[name]
 
     @property
+    def rank_bytes(self) -> tuple[int, ...]:
+        """Bytes each rank reads, by rank."""
+        return tuple(rank.nbytes for rank in self.ranks)
+
+    @property
     def replicated_bytes(self) -> int:
         """Bytes every rank reads in full (counted once)."""
-        raise NotImplementedError
+        return sum(s.nbytes for s in self.ranks[0].shards if s.split is None)
+
+    @property
+    def unmatched_bytes(self) -> int:
+        """Bytes of the tensors replicated because no rule matched (counted once)."""
+        names = set(self.unmatched)
+        return sum(s.nbytes for s in self.ranks[0].shards if s.name in names)
 
     @property
     def read_amplification(self) -> float:
-        """Bytes read by all ranks together / checkpoint bytes."""
-        raise NotImplementedError
+        """Bytes read by all ranks together / checkpoint bytes (1.0 for tp 1, or when
+        nothing is replicated)."""
+        if self.checkpoint_bytes == 0:
+            return 1.0
+        return sum(self.rank_bytes) / self.checkpoint_bytes
 
 
-def plan_shards(path: object, tp_size: int, *, rules: object = None) -> ShardPlan:
+def plan_shards(
+    path: str | os.PathLike[str] | Checkpoint, tp_size: int, *, rules: RulesArg = None
+) -> ShardPlan:
     """Plan every rank of ``tp_size`` for the checkpoint at ``path`` (a path or a
     :class:`~rayload.loading.checkpoint.Checkpoint`). ``rules`` is a rules file path, a
-    rules object, or None for the preset matching config.json ``architectures``."""
-    raise NotImplementedError
+    rules object, or None for the preset matching config.json ``architectures``.
+
+    Raises ConfigError for a bad ``tp_size`` or rules, ShardingError for a tensor the
+    rules cannot split ``tp_size`` ways, CheckpointError for a bad checkpoint or one
+    converted for another tp size.
+    """
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ConfigError(f"tp_size must be a positive integer, got {tp_size!r}")
+    checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path)
+    if checkpoint.layout == "converted":
+        return _plan_converted(checkpoint, tp_size, rules)
+    ruleset = resolve_rules(rules, checkpoint.architecture)
+    return _plan_hf(checkpoint, tp_size, ruleset)
+
+
+def _plan_hf(checkpoint: Checkpoint, tp_size: int, ruleset: RuleSet) -> ShardPlan:
+    tensors = _in_file_order(checkpoint.files, checkpoint.tensors.values())
+    splits: dict[str, int | None] = {}
+    unmatched: list[str] = []
+    for info in tensors:
+        rule = ruleset.match(info.name)
+        if rule is None:
+            unmatched.append(info.name)
+        splits[info.name] = rule.split if rule else None
+        _check_splittable(info, splits[info.name], tp_size)
+    ranks = tuple(
+        RankPlan(rank, tp_size, tuple(_shard(t, splits[t.name], rank, tp_size) for t in tensors))
+        for rank in range(tp_size)
+    )
+    return ShardPlan(
+        tp_size=tp_size,
+        ranks=ranks,
+        splits=splits,
+        checkpoint_bytes=sum(t.nbytes for t in tensors),
+        unmatched=tuple(unmatched),
+        rules_source=ruleset.source,
+        layout=checkpoint.layout,
+    )
+
+
+def _plan_converted(checkpoint: Checkpoint, tp_size: int, rules: RulesArg) -> ShardPlan:
+    manifest = checkpoint.manifest
+    assert manifest is not None and checkpoint.rank_files is not None
+    if manifest.tp_size != tp_size:
+        raise CheckpointError(
+            f"{checkpoint.root}: converted for tp={manifest.tp_size}, asked for tp={tp_size}: "
+            f"run `rayload convert SOURCE OUT --tp {tp_size}` on the original checkpoint, "
+            f"or load with --tp {manifest.tp_size}",
+            file=checkpoint.root,
+        )
+    if rules is not None:
+        raise ConfigError(
+            f"{checkpoint.root} is a converted checkpoint: its sharding rules were fixed by "
+            f"`rayload convert`; drop the rules, or convert again with them"
+        )
+    ranks = []
+    for rank in range(tp_size):
+        tensors = _in_file_order(
+            checkpoint.rank_files[rank], checkpoint.rank_tensors(rank).values()
+        )
+        shards = tuple(
+            TensorShard(
+                name=t.name,
+                dtype=t.dtype,
+                full_shape=tuple(manifest.full_shapes[t.name]),
+                shape=t.shape,
+                split=manifest.splits[t.name],
+                ranges=(ByteRange(t.file, t.start, t.nbytes),),
+            )
+            for t in tensors
+        )
+        ranks.append(RankPlan(rank, tp_size, shards))
+    full_bytes = sum(
+        math.prod(manifest.full_shapes[t.name]) * DTYPES[t.dtype][1]
+        for t in checkpoint.rank_tensors(0).values()
+    )
+    return ShardPlan(
+        tp_size=tp_size,
+        ranks=tuple(ranks),
+        splits=dict(manifest.splits),
+        checkpoint_bytes=full_bytes,
+        rules_source="manifest",
+        layout=checkpoint.layout,
+    )
+
+
+def _in_file_order(files: tuple[str, ...], tensors: Iterable[TensorInfo]) -> list[TensorInfo]:
+    order = {f: i for i, f in enumerate(files)}
+    return sorted(tensors, key=lambda t: (order[t.file], t.start))
+
+
+def _check_splittable(info: TensorInfo, split: int | None, tp_size: int) -> None:
+    if split is None:
+        return
+    where = f"tensor {info.name!r} in {info.file}"
+    if split >= len(info.shape):
+        raise ShardingError(
+            f"{where} has shape {list(info.shape)}: it has no dimension {split} to split; "
+            f"fix the sharding rule that matches it (split 0 or replicate)",
+            tensor=info.name,
+            file=info.file,
+        )
+    size = info.shape[split]
+    if size % tp_size:
+        raise ShardingError(
+            f"{where}: dimension {split} has size {size}, not divisible by tp={tp_size}; "
+            f"choose a tp size that divides it, or replicate the tensor with a rules file",
+            tensor=info.name,
+            file=info.file,
+        )
+
+
+def _shard(info: TensorInfo, split: int | None, rank: int, tp_size: int) -> TensorShard:
+    """Rank ``rank``'s shard of ``info`` (splittability already checked)."""
+    itemsize = DTYPES[info.dtype][1]
+    shape = shard_shape(info.shape, split, tp_size)
+    if split is None:
+        ranges: tuple[ByteRange, ...] = (ByteRange(info.file, info.start, info.nbytes),)
+    elif split == 0:
+        length = math.prod(shape) * itemsize
+        ranges = (ByteRange(info.file, info.start + rank * length, length),)
+    else:
+        inner = math.prod(info.shape[2:]) * itemsize
+        block = shape[1] * inner
+        stride = info.shape[1] * inner
+        rows = info.shape[0]
+        if block == stride or rows == 1:
+            ranges = (ByteRange(info.file, info.start + rank * block, block * rows),)
+        else:
+            first = info.start + rank * block
+            ranges = tuple(ByteRange(info.file, first + i * stride, block) for i in range(rows))
+    return TensorShard(info.name, info.dtype, info.shape, shape, split, ranges)

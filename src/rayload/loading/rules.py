@@ -1,0 +1,168 @@
+"""Sharding rules: which dimension of each tensor is cut across TP ranks.
+
+A :class:`Rule` maps a regular expression, matched against the *whole* tensor name
+(``re.fullmatch``), to a split: ``0`` (rows: column-parallel linears, vocab-parallel
+embeddings), ``1`` (columns: row-parallel linears) or ``None`` (replicated on every
+rank). Rules are tried in order and the first match wins; a tensor no rule matches is
+replicated, and the plan reports it (see :class:`rayload.loading.plan.ShardPlan`).
+
+Presets cover the Hugging Face names of the Llama family, chosen from ``config.json``
+``architectures``; users can pass a rules file (:mod:`rayload.config`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from rayload.config import RulesFile, RuleSpec, SplitSpec, load_rules_file
+from rayload.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Tensors whose whole name matches ``pattern`` are split on ``split`` (None: replicated)."""
+
+    pattern: str
+    split: int | None
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.split not in (0, 1, None) or isinstance(self.split, bool):
+            raise ConfigError(f"rule {self.pattern!r}: split must be 0, 1 or None (replicate)")
+        try:
+            object.__setattr__(self, "_regex", re.compile(self.pattern))
+        except re.error as exc:
+            raise ConfigError(
+                f"rule {self.pattern!r} is not a valid regular expression: {exc}"
+            ) from exc
+
+    def matches(self, name: str) -> bool:
+        return self._regex.fullmatch(name) is not None
+
+    @classmethod
+    def from_spec(cls, spec: RuleSpec) -> Rule:
+        return cls(spec.pattern, None if spec.split == "replicate" else spec.split)
+
+    def to_spec(self) -> RuleSpec:
+        split: SplitSpec = "replicate" if self.split is None else (0 if self.split == 0 else 1)
+        return RuleSpec(pattern=self.pattern, split=split)
+
+
+@dataclass(frozen=True)
+class RuleSet:
+    """Ordered rules plus where they came from (a preset name, a file path, or "none")."""
+
+    rules: tuple[Rule, ...]
+    source: str
+
+    def match(self, name: str) -> Rule | None:
+        """The first rule matching ``name``, or None."""
+        return next((rule for rule in self.rules if rule.matches(name)), None)
+
+    def split_for(self, name: str) -> int | None:
+        """0, 1 or None; None also when no rule matches."""
+        rule = self.match(name)
+        return rule.split if rule else None
+
+
+def _rules(*pairs: tuple[str, int | None]) -> tuple[Rule, ...]:
+    return tuple(Rule(pattern, split) for pattern, split in pairs)
+
+
+_LAYER = r"model\.layers\.\d+\."
+_MLP = _LAYER + r"mlp\.(?:experts\.\d+\.|shared_expert\.)?"
+
+_DECODER = _rules(
+    (r"model\.embed_tokens\.weight", 0),  # vocab-parallel embedding
+    (r"lm_head\.weight", 0),  # vocab-parallel output projection
+    (_LAYER + r"self_attn\.[qkv]_proj\.(?:weight|bias)", 0),  # column-parallel
+    (_LAYER + r"self_attn\.o_proj\.weight", 1),  # row-parallel
+    (_MLP + r"(?:gate|up)_proj\.weight", 0),
+    (_MLP + r"down_proj\.weight", 1),
+    (_LAYER + r"(?:input_layernorm|post_attention_layernorm)\.weight", None),
+    (_LAYER + r"self_attn\.(?:q_norm|k_norm)\.weight", None),  # Qwen3 per-head norms
+    (_LAYER + r"self_attn\.o_proj\.bias", None),
+    (_LAYER + r"self_attn\.rotary_emb\.inv_freq", None),  # older Llama checkpoints
+    (_LAYER + r"mlp\.(?:gate|shared_expert_gate)\.weight", None),  # MoE routers
+    (r"model\.norm\.weight", None),
+)
+"""Llama-style decoder: Llama, Mistral, Qwen2 (q/k/v biases), Qwen3, Qwen2/3-MoE."""
+
+_MIXTRAL = _rules(
+    (_LAYER + r"block_sparse_moe\.experts\.\d+\.w[13]\.weight", 0),
+    (_LAYER + r"block_sparse_moe\.experts\.\d+\.w2\.weight", 1),
+    (_LAYER + r"block_sparse_moe\.gate\.weight", None),
+)
+
+PRESETS: dict[str, tuple[Rule, ...]] = {
+    "LlamaForCausalLM": _DECODER,
+    "MistralForCausalLM": _DECODER,
+    "Qwen2ForCausalLM": _DECODER,
+    "Qwen3ForCausalLM": _DECODER,
+    "Qwen2MoeForCausalLM": _DECODER,
+    "Qwen3MoeForCausalLM": _DECODER,
+    "MixtralForCausalLM": _MIXTRAL + _DECODER,
+}
+"""config.json ``architectures`` value -> preset rules."""
+
+RulesArg = str | os.PathLike[str] | RuleSet | RulesFile | Sequence[Rule] | None
+"""What :func:`resolve_rules` (and so ``plan_shards(rules=...)``) accepts."""
+
+
+def resolve_rules(rules: RulesArg, architecture: str | None) -> RuleSet:
+    """Turn the user's ``rules`` (a rules file path, a parsed file, rules, or None) into the
+    :class:`RuleSet` to plan with.
+
+    None means the preset for ``architecture``; with no preset every tensor is replicated
+    and a warning is logged (the plan also reports every unmatched tensor).
+    """
+    if isinstance(rules, RuleSet):
+        return rules
+    if rules is None:
+        preset = preset_for(architecture)
+        if preset is None:
+            log.warning(
+                "no sharding preset for architecture %s: every tensor will be replicated; "
+                "pass a rules file to shard it",
+                architecture,
+            )
+            return RuleSet((), "none")
+        return preset
+    if isinstance(rules, str | os.PathLike):
+        return _from_file(load_rules_file(rules), architecture, source=os.fspath(rules))
+    if isinstance(rules, RulesFile):
+        return _from_file(rules, architecture, source="rules file")
+    return RuleSet(tuple(_checked(rules)), "rules")
+
+
+def preset_for(architecture: str | None) -> RuleSet | None:
+    """The preset for an ``architectures`` entry, or None when rayload has none."""
+    if architecture is None or architecture not in PRESETS:
+        return None
+    return RuleSet(PRESETS[architecture], f"preset:{architecture}")
+
+
+def _from_file(parsed: RulesFile, architecture: str | None, *, source: str) -> RuleSet:
+    rules = tuple(Rule.from_spec(spec) for spec in parsed.rules)
+    if parsed.use_preset:
+        preset = preset_for(architecture)
+        if preset is None:
+            raise ConfigError(
+                f"{source}: use_preset is set but rayload has no preset for architecture "
+                f"{architecture} (presets: {', '.join(PRESETS)}); list every rule instead"
+            )
+        return RuleSet(rules + preset.rules, f"{source} + {preset.source}")
+    return RuleSet(rules, source)
+
+
+def _checked(rules: Iterable[object]) -> Iterable[Rule]:
+    for rule in rules:
+        if not isinstance(rule, Rule):
+            raise ConfigError(f"sharding rules must be Rule objects, got {rule!r}")
+        yield rule

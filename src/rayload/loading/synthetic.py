@@ -1,0 +1,242 @@
+"""Synthetic Llama-style checkpoints for tests, demos and benchmarks.
+
+:func:`write_checkpoint` writes real Hugging Face tensor names, a ``config.json`` and a
+``model.safetensors.index.json`` over several shard files, in the safetensors format
+(written here, so rayload needs no safetensors package at run time). Tensor data is
+streamed in bounded chunks from a fast seeded generator, so a multi-GB checkpoint costs
+little memory and about the disk's write time; the same seed gives the same bytes.
+
+Values are random bit patterns with the top exponent bit cleared: finite (no NaN or inf,
+so bit-identical comparisons with ``torch.equal`` work) and of magnitude below 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rayload.errors import ConfigError
+from rayload.loading.checkpoint import CONFIG_NAME, INDEX_NAME
+from rayload.loading.dtypes import DTYPES
+
+GB = 1_000_000_000
+FILE_TARGET_BYTES = 256 * 1024 * 1024
+"""Default shard file size: the file count is total size / this, at least 2."""
+
+_CHUNK_WORDS = 1 << 21  # 16 MiB of random 64-bit words per write
+
+_FLOAT_DTYPES = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
+# Clears the top exponent bit of every element packed in a 64-bit word: |value| < 2.
+_FINITE_MASK = {
+    "BF16": 0xBFFF_BFFF_BFFF_BFFF,
+    "F16": 0xBFFF_BFFF_BFFF_BFFF,
+    "F32": 0xBFFF_FFFF_BFFF_FFFF,
+}
+_TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    """The dimensions of a Llama decoder, as in its Hugging Face config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    tie_word_embeddings: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of every tensor, in Hugging Face order."""
+        h, i, kv = self.hidden_size, self.intermediate_size, self.num_key_value_heads
+        kv_rows = kv * self.head_dim
+        out: list[tuple[str, tuple[int, ...]]] = [
+            ("model.embed_tokens.weight", (self.vocab_size, h))
+        ]
+        for layer in range(self.num_hidden_layers):
+            p = f"model.layers.{layer}."
+            out += [
+                (p + "self_attn.q_proj.weight", (h, h)),
+                (p + "self_attn.k_proj.weight", (kv_rows, h)),
+                (p + "self_attn.v_proj.weight", (kv_rows, h)),
+                (p + "self_attn.o_proj.weight", (h, h)),
+                (p + "mlp.gate_proj.weight", (i, h)),
+                (p + "mlp.up_proj.weight", (i, h)),
+                (p + "mlp.down_proj.weight", (h, i)),
+                (p + "input_layernorm.weight", (h,)),
+                (p + "post_attention_layernorm.weight", (h,)),
+            ]
+        out.append(("model.norm.weight", (h,)))
+        if not self.tie_word_embeddings:
+            out.append(("lm_head.weight", (self.vocab_size, h)))
+        return out
+
+    def config(self, dtype: str) -> dict[str, Any]:
+        """A Hugging Face ``config.json`` for this shape stored in ``dtype`` (safetensors)."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 500000.0,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": _TORCH_DTYPE_NAMES[dtype],
+        }
+
+
+PRESETS: dict[str, LlamaShape] = {
+    # A few MB; every split dimension divisible by 8, so TP 1, 2, 4 and 8 all work.
+    "tiny-llama": LlamaShape(512, 256, 512, 2, 8, 4, tie_word_embeddings=False),
+    # Llama-3.2-1B's real shapes: 2.47 GB in bf16.
+    "llama-1b": LlamaShape(128256, 2048, 8192, 16, 32, 8, tie_word_embeddings=True),
+}
+
+
+def preset_shape(preset: str, *, size_gb: float | None = None, dtype: str = "bf16") -> LlamaShape:
+    """The shape of ``preset``, with the layer count scaled so the checkpoint is about
+    ``size_gb`` GB (10^9 bytes) in ``dtype``; at least one layer."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    shape = PRESETS[preset]
+    if size_gb is None:
+        return shape
+    if not size_gb > 0:
+        raise ConfigError(f"size_gb must be positive, got {size_gb}")
+    itemsize = DTYPES[_st_dtype(dtype)][1]
+    base = replace(shape, num_hidden_layers=0)
+    fixed = sum(math.prod(s) for _, s in base.tensors()) * itemsize
+    per_layer = sum(math.prod(s) for _, s in replace(shape, num_hidden_layers=1).tensors())
+    per_layer = per_layer * itemsize - fixed
+    layers = max(1, round((size_gb * GB - fixed) / per_layer))
+    return replace(shape, num_hidden_layers=layers)
+
+
+def write_checkpoint(
+    out: str | os.PathLike[str],
+    *,
+    preset: str = "tiny-llama",
+    size_gb: float | None = None,
+    dtype: str = "bf16",
+    num_files: int | None = None,
+    seed: int = 0,
+) -> Path:
+    """Write a synthetic Llama checkpoint (Hugging Face index layout) into directory ``out``
+    and return its path.
+
+    ``dtype`` is ``"bf16"``, ``"f16"`` or ``"f32"``; ``num_files`` defaults to one file per
+    256 MiB, at least 2. ``out`` may exist but must not already hold a checkpoint.
+    """
+    st_dtype = _st_dtype(dtype)
+    shape = preset_shape(preset, size_gb=size_gb, dtype=dtype)
+    itemsize = DTYPES[st_dtype][1]
+    tensors = [(name, dims, math.prod(dims) * itemsize) for name, dims in shape.tensors()]
+    total = sum(nbytes for _, _, nbytes in tensors)
+    if num_files is None:
+        num_files = max(2, math.ceil(total / FILE_TARGET_BYTES))
+    if not 1 <= num_files <= len(tensors):
+        raise ConfigError(
+            f"num_files must be between 1 and {len(tensors)} (the tensor count) for this "
+            f"model, got {num_files}"
+        )
+    root = _empty_dir(Path(out))
+    groups = _partition([nbytes for _, _, nbytes in tensors], num_files)
+    weight_map: dict[str, str] = {}
+    for number, (lo, hi) in enumerate(groups, start=1):
+        file_name = f"model-{number:05d}-of-{num_files:05d}.safetensors"
+        _write_file(root / file_name, tensors[lo:hi], st_dtype, seed)
+        weight_map.update((name, file_name) for name, _, _ in tensors[lo:hi])
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (root / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    (root / CONFIG_NAME).write_text(json.dumps(shape.config(st_dtype), indent=2) + "\n")
+    return root
+
+
+def _st_dtype(dtype: str) -> str:
+    if dtype not in _FLOAT_DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(_FLOAT_DTYPES)}")
+    return _FLOAT_DTYPES[dtype]
+
+
+def _empty_dir(root: Path) -> Path:
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"{root} exists and is not a directory; choose another output path")
+    if root.is_dir() and any(
+        p.suffix == ".safetensors" or p.name == INDEX_NAME for p in root.iterdir()
+    ):
+        raise ConfigError(f"{root} already holds a checkpoint; choose an empty directory")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _partition(sizes: list[int], parts: int) -> list[tuple[int, int]]:
+    """Cut ``sizes`` (in order) into ``parts`` non-empty contiguous groups of about equal
+    bytes; returns [lo, hi) index pairs."""
+    total, acc, lo = sum(sizes), 0, 0
+    bounds: list[tuple[int, int]] = []
+    for index, size in enumerate(sizes):
+        acc += size
+        groups_left = parts - len(bounds) - 1
+        items_left = len(sizes) - index - 1
+        if groups_left == 0:
+            break
+        if acc >= total * (len(bounds) + 1) / parts or items_left == groups_left:
+            bounds.append((lo, index + 1))
+            lo = index + 1
+    bounds.append((lo, len(sizes)))
+    return bounds
+
+
+def _write_file(
+    path: Path, tensors: list[tuple[str, tuple[int, ...], int]], dtype: str, seed: int
+) -> None:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dims, nbytes in tensors:
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(dims),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # tensor data starts 8-byte aligned, as safetensors does
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, _, nbytes in tensors:
+            for chunk in _random_bytes(nbytes, dtype, seed, name):
+                f.write(chunk)
+
+
+def _random_bytes(nbytes: int, dtype: str, seed: int, name: str) -> Iterator[memoryview]:
+    """``nbytes`` of finite random ``dtype`` values for tensor ``name``, in chunks."""
+    generator = np.random.SFC64(np.random.SeedSequence([seed, zlib.crc32(name.encode())]))
+    mask = np.uint64(_FINITE_MASK[dtype])
+    left = nbytes
+    while left > 0:
+        words = generator.random_raw(min(_CHUNK_WORDS, -(-left // 8)))
+        words &= mask
+        chunk = words.view(np.uint8).data[: min(left, words.nbytes)]
+        left -= len(chunk)
+        yield chunk

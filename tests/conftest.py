@@ -1,0 +1,128 @@
+"""Checkpoints shared by every test package.
+
+* ``tiny_llama``: a synthetic Llama (bf16, real HF names, index over 2 files), written by
+  rayload's own writer. Session-scoped: do not modify it, copy it first.
+* ``mixed_dtype_checkpoint``: Llama names in BF16, F16, F32 and I32 (split-0, split-1 and
+  replicated tensors in each), index over 3 files + config.json, written by the
+  ``safetensors`` library so it is the reference format. Session-scoped, read-only.
+* ``reference_shard(path, rank, tp, name, split)``: what rank ``rank`` of ``tp`` must
+  hold of ``name``, sliced from ``safetensors.torch.load_file``.
+* ``write_raw_safetensors(path, header, data)``: write a possibly malformed file byte by
+  byte (8-byte length, JSON header, data), for bad-input tests.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from rayload.loading.synthetic import write_checkpoint
+
+MIXED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int32)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("tiny-llama") / "ckpt", seed=1234)
+
+
+def _values(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype)
+    return torch.randint(-(2**31), 2**31 - 1, shape, generator=gen, dtype=dtype)
+
+
+@pytest.fixture(scope="session")
+def mixed_dtype_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 Llama layers, layer i stored in MIXED_DTYPES[i]; tp 1, 2, 4 and 8 all divide."""
+    root = tmp_path_factory.mktemp("mixed-dtype") / "ckpt"
+    root.mkdir()
+    gen = torch.Generator().manual_seed(7)
+    vocab, hidden, inter, heads, kv_heads = 256, 64, 128, 8, 4
+    kv_rows = kv_heads * hidden // heads
+    files: list[dict[str, torch.Tensor]] = [{}, {}, {}]
+    files[0]["model.embed_tokens.weight"] = _values((vocab, hidden), torch.bfloat16, gen)
+    for layer, dtype in enumerate(MIXED_DTYPES):
+        p = f"model.layers.{layer}."
+        part = files[layer // 2]
+        for name, shape in [
+            ("self_attn.q_proj.weight", (hidden, hidden)),
+            ("self_attn.k_proj.weight", (kv_rows, hidden)),
+            ("self_attn.v_proj.weight", (kv_rows, hidden)),
+            ("self_attn.o_proj.weight", (hidden, hidden)),
+            ("mlp.gate_proj.weight", (inter, hidden)),
+            ("mlp.up_proj.weight", (inter, hidden)),
+            ("mlp.down_proj.weight", (hidden, inter)),
+            ("input_layernorm.weight", (hidden,)),
+            ("post_attention_layernorm.weight", (hidden,)),
+        ]:
+            part[p + name] = _values(shape, dtype, gen)
+    files[2]["model.norm.weight"] = _values((hidden,), torch.float32, gen)
+    files[2]["lm_head.weight"] = _values((vocab, hidden), torch.float16, gen)
+    weight_map = {}
+    for number, tensors in enumerate(files, start=1):
+        name = f"model-{number:05d}-of-00003.safetensors"
+        save_file(tensors, str(root / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+    (root / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": len(MIXED_DTYPES),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "tie_word_embeddings": False,
+    }
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+def _all_tensors(path: Path) -> dict[str, torch.Tensor]:
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+@pytest.fixture(scope="session")
+def reference_shard() -> Callable[[Path, int, int, str, int | None], torch.Tensor]:
+    """``(path, rank, tp, name, split) -> tensor``: the expected shard, contiguous."""
+    cache: dict[Path, dict[str, torch.Tensor]] = {}
+
+    def shard(path: Path, rank: int, tp: int, name: str, split: int | None) -> torch.Tensor:
+        key = Path(path).resolve()
+        if key not in cache:
+            cache[key] = _all_tensors(key)
+        full = cache[key][name]
+        if split is None:
+            return full
+        return torch.tensor_split(full, tp, dim=split)[rank].contiguous()
+
+    return shard
+
+
+@pytest.fixture
+def write_raw_safetensors() -> Callable[..., Path]:
+    """``(path, header, data=b"", *, length=None) -> path``: ``header`` (a dict, or bytes
+    written verbatim) after an 8-byte little-endian length (``length`` overrides it)."""
+
+    def write(path: Path, header: Any, data: bytes = b"", *, length: int | None = None) -> Path:
+        raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+        size = len(raw) if length is None else length
+        Path(path).write_bytes(size.to_bytes(8, "little") + raw + data)
+        return Path(path)
+
+    return write
