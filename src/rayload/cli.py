@@ -51,7 +51,34 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    from rayload.benchmark import BenchConfig, run_benchmark, write_report
+
+    quick = {"size_gb": 0.25, "preset": "tiny-llama", "repeat": 1} if args.quick else {}
+    chosen = {
+        "size_gb": args.size_gb,
+        "preset": args.preset,
+        "repeat": args.repeat,
+        "tp_sizes": tuple(args.tp) if args.tp else None,
+        "caches": tuple(args.cache) if args.cache else None,
+        "methods": tuple(args.methods) if args.methods else None,
+        "checkpoint": args.checkpoint,
+        "workdir": args.workdir,
+        "device": args.device,
+        "verify": False if args.no_verify else None,
+    }
+    config = BenchConfig(**{**quick, **{k: v for k, v in chosen.items() if v is not None}})
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    result = run_benchmark(config, progress=progress)
+    paths = write_report(result, args.out)
+    print(paths["md"].read_text())
+    for kind, path in paths.items():
+        progress(f"wrote {kind}: {path}")
+    for problem in result["consistency"]:
+        print(f"rayload: error: {problem}", file=sys.stderr)
+    return 1 if result["consistency"] else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,6 +135,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=2)
 
     p = add("bench", _cmd_bench, "benchmark rayload against peers and the disk limit")
+    p.add_argument("--size-gb", type=float, help="generated checkpoint size (default 1.0)")
+    p.add_argument("--tp", type=int, nargs="+", help="TP sizes (default 1 2 4)")
+    p.add_argument("--cache", nargs="+", choices=["cold", "warm"], help="default: both")
+    p.add_argument("--repeat", type=int, help="repetitions per case, medians (default 3)")
+    p.add_argument("--out", default="bench-out", help="where to write .json/.md/.png")
+    p.add_argument("--methods", nargs="+", help="cases to run (default: all this machine can)")
+    p.add_argument("--quick", action="store_true", help="0.25 GB tiny-llama, 1 repetition")
+    p.add_argument("--checkpoint", help="benchmark this checkpoint instead of a generated one")
+    p.add_argument("--workdir", help="where generated checkpoints live (/tmp/rayload-bench)")
+    p.add_argument("--preset", choices=["tiny-llama", "llama-1b"], help="default llama-1b")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="where ranks load (default cpu)")
+    p.add_argument("--no-verify", action="store_true", help="skip the cross-case tensor check")
     return parser
 
 

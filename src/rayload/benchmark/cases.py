@@ -1,0 +1,230 @@
+"""What a benchmark case does inside one rank process.
+
+A case is one way of getting a TP rank's weights into memory: rayload's own load methods
+(through :func:`rayload.loading.load_rank`), the peers as their users run them, and the
+limit (one sequential read of every checkpoint byte). Each case returns the rank's
+tensors *materialized*: copied into memory the rank owns, as a model's weight loader would
+copy them into its parameters. safetensors 0.8 hands out lazily mapped tensors, so without
+that copy a peer would be timed for reading nothing.
+
+Every case reads the same tensors with the same split dimensions (those of rayload's
+plan), so their outputs can be compared byte for byte.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from rayload.benchmark import probes
+
+Kind = Literal["rayload", "peer", "limit"]
+
+
+@dataclass(frozen=True)
+class RankJob:
+    """What one rank process runs. Picklable: it crosses into the rank process."""
+
+    case: str
+    rank: int
+    tp_size: int
+    checkpoint: str
+    files: tuple[str, ...]
+    splits: Mapping[str, int | None]
+    converted: str | None = None
+    device: str = "cpu"
+    verify: bool = False
+
+
+@dataclass
+class Loaded:
+    """A case's result: the rank's tensors, plus what the case knows about its own reads.
+
+    ``mapped_bytes`` are file pages a memory-mapped reader touched (invisible to
+    ``rchar``); ``effective`` is the load method that really ran (rayload cases).
+    """
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    mapped_bytes: int = 0
+    effective: str | None = None
+    fallback_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmarked way of loading. ``per_rank`` cases run one process per TP rank;
+    the limit runs once, in one process, whatever the TP size."""
+
+    name: str
+    kind: Kind
+    description: str
+    run: Callable[[RankJob], Loaded]
+    per_rank: bool = True
+    needs_cuda: bool = False
+
+
+def shard_index(
+    shape: tuple[int, ...], split: int | None, rank: int, tp_size: int
+) -> tuple[slice, ...]:
+    """The index of rank ``rank``'s shard of a tensor of ``shape`` cut along ``split``."""
+    index = [slice(None)] * len(shape)
+    if split is not None:
+        size = shape[split] // tp_size
+        index[split] = slice(rank * size, (rank + 1) * size)
+    return tuple(index)
+
+
+def _materialize(t: torch.Tensor, device: str) -> torch.Tensor:
+    """An owned, contiguous copy of ``t`` on ``device`` (what a weight loader keeps)."""
+    out = torch.empty(t.shape, dtype=t.dtype, device=device)
+    out.copy_(t)
+    return out
+
+
+def _rayload(method: str) -> Callable[[RankJob], Loaded]:
+    def run(job: RankJob) -> Loaded:
+        from rayload.loading import load_rank
+
+        path = job.converted if method == "converted" else job.checkpoint
+        if path is None:
+            raise ValueError(f"case {method!r} needs a converted checkpoint for tp={job.tp_size}")
+        tensors, report = load_rank(path, job.rank, job.tp_size, method=method, device=job.device)
+        return Loaded(
+            dict(tensors),
+            effective=str(report.method.effective),
+            fallback_reason=report.method.fallback_reason,
+        )
+
+    return run
+
+
+def _safe_open_slice(job: RankJob) -> Loaded:
+    """safetensors ``safe_open`` + ``get_slice(name)[shard]``, file by file (vLLM's way)."""
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    mapped = 0
+    for path in job.files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                view = f.get_slice(name)
+                index = shard_index(
+                    tuple(view.get_shape()), job.splits[name], job.rank, job.tp_size
+                )
+                out[name] = _materialize(view[index], job.device)
+            mapped += probes.mapped_bytes([path])
+    return Loaded(out, mapped_bytes=mapped)
+
+
+def _load_file_slice(job: RankJob) -> Loaded:
+    """``safetensors.torch.load_file`` of every file, then each tensor sliced to the shard."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    mapped = 0
+    for path in job.files:
+        full = load_file(path)
+        for name, t in full.items():
+            index = shard_index(tuple(t.shape), job.splits[name], job.rank, job.tp_size)
+            out[name] = _materialize(t[index], job.device)
+        mapped += probes.mapped_bytes([path])
+        del full
+    return Loaded(out, mapped_bytes=mapped)
+
+
+def _fastsafetensors_whole(job: RankJob) -> Loaded:
+    """fastsafetensors loading every file of the checkpoint in this rank, then slicing:
+    what a rank does when it has no process group to spread the files over."""
+    from fastsafetensors import SafeTensorsFileLoader, SingleGroup
+
+    loader = SafeTensorsFileLoader(SingleGroup(), device=job.device, nogds=True)
+    try:
+        loader.add_filenames({0: list(job.files)})
+        buffers = loader.copy_files_to_device()
+        try:
+            out = {}
+            for name in loader.get_keys():
+                t = buffers.get_tensor(name)
+                index = shard_index(tuple(t.shape), job.splits[name], job.rank, job.tp_size)
+                out[name] = _materialize(t[index], job.device)
+        finally:
+            buffers.close()
+    finally:
+        loader.close()
+    return Loaded(out)
+
+
+LIMIT_CHUNK = 16 << 20
+
+
+def _sequential_read(job: RankJob) -> Loaded:
+    """The limit: every byte of every checkpoint file, read once, in order, with large
+    reads into one reused buffer (the kernel's sequential readahead at its widest)."""
+    buf = bytearray(LIMIT_CHUNK)
+    view = memoryview(buf)
+    for path in job.files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            while os.readv(fd, [view]):
+                pass
+        finally:
+            os.close(fd)
+    return Loaded()
+
+
+CASES: dict[str, Case] = {
+    c.name: c
+    for c in (
+        Case(
+            "limit",
+            "limit",
+            "one sequential read of the whole checkpoint",
+            _sequential_read,
+            per_rank=False,
+        ),
+        Case("scratch", "rayload", "rayload load_rank(method='scratch')", _rayload("scratch")),
+        Case(
+            "converted",
+            "rayload",
+            "rayload load_rank(method='converted') on a converted copy",
+            _rayload("converted"),
+        ),
+        Case(
+            "fastsafetensors",
+            "rayload",
+            "rayload load_rank(method='fastsafetensors')",
+            _rayload("fastsafetensors"),
+        ),
+        Case(
+            "fastsafetensors_gdr",
+            "rayload",
+            "rayload load_rank(method='fastsafetensors_gdr')",
+            _rayload("fastsafetensors_gdr"),
+            needs_cuda=True,
+        ),
+        Case(
+            "safe_open_slice",
+            "peer",
+            "safetensors safe_open + get_slice(name)[shard]",
+            _safe_open_slice,
+        ),
+        Case(
+            "fastsafetensors_whole",
+            "peer",
+            "fastsafetensors, whole checkpoint per rank, sliced",
+            _fastsafetensors_whole,
+        ),
+        Case(
+            "load_file_slice",
+            "peer",
+            "safetensors.torch.load_file per file, sliced",
+            _load_file_slice,
+        ),
+    )
+}
+"""Every case by name, in the order the tables list them."""

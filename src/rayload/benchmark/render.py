@@ -1,0 +1,170 @@
+"""Write a benchmark result as JSON, a markdown report and a PNG bar chart."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rayload.benchmark.summary import MB, CaseSummary, Target
+
+log = logging.getLogger(__name__)
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None or math.isnan(value) else fmt.format(value)
+
+
+def table(summaries: Sequence[CaseSummary], cache: str) -> str:
+    """The markdown table of one cache state."""
+    peers = sorted({p for s in summaries for p in s.speedup})
+    head = (
+        [
+            "case",
+            "tp",
+            "wall s (median)",
+            "min-max",
+            "GB/s",
+            "rank MB read",
+            "read ampl.",
+            "peak RSS rise/rank MB",
+            "shard MB",
+            "x limit",
+        ]
+        + [f"speedup vs {p}" for p in peers]
+        + ["effective", "runs"]
+    )
+    rows = [head, ["---"] * len(head)]
+    for s in summaries:
+        if s.cache != cache:
+            continue
+        if not s.runs:
+            rows.append([s.case, str(s.tp_size), f"FAILED: {s.error}"] + [""] * (len(head) - 3))
+            continue
+        rows.append(
+            [
+                s.case,
+                str(s.tp_size),
+                f"{s.wall_s:.3f}",
+                f"{s.wall_s_min:.2f}-{s.wall_s_max:.2f}",
+                f"{s.gbps:.2f}",
+                f"{s.rank_bytes_read / MB:.0f}",
+                f"{s.read_amplification:.3f}",
+                f"{s.rss_peak_delta / MB:.0f}",
+                f"{s.shard_bytes / MB:.0f}",
+                _num(s.x_limit, "{:.2f}"),
+            ]
+            + [_num(s.speedup.get(p), "{:.2f}") for p in peers]
+            + [
+                ", ".join(s.effective) or "-",
+                f"{s.runs}" + (f" ({s.failures} failed)" if s.failures else ""),
+            ]
+        )
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def targets_table(items: Sequence[Target]) -> str:
+    rows = [["target", "threshold", "measured", "met"], ["---"] * 4]
+    for t in items:
+        met = "not measured" if t.met is None else ("yes" if t.met else "**no**")
+        rows.append([t.name, t.threshold, t.measured, met + (f" ({t.note})" if t.note else "")])
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def markdown(
+    result: dict[str, Any],
+    summaries: Sequence[CaseSummary],
+    items: Sequence[Target],
+    chart: str | None,
+) -> str:
+    cfg, ck, machine = result["config"], result["checkpoint"], result["machine"]
+    lines = [
+        f"# rayload benchmark, {result['started']}",
+        "",
+        f"Checkpoint: {ck['path']}: {ck['bytes'] / 1e9:.3f} GB in {len(ck['files'])} files. "
+        f"Machine: {machine.get('cpu', '?')}, {machine.get('cpus', '?')} CPUs, kernel "
+        f"{machine.get('kernel', '?')}; load average before: {machine.get('loadavg_before')}, "
+        f"after: {result.get('loadavg_after')}.",
+        f"Repetitions: {cfg['repeat']} per case (medians), cases interleaved. "
+        f"Process baseline RSS (python + torch + readers imported): "
+        f"{result['baseline_rss'] / MB:.0f} MB.",
+        "",
+    ]
+    for problem in result["consistency"]:
+        lines.append(f"**Consistency problem:** {problem}")
+    if not result["consistency"] and cfg["verify"]:
+        lines.append("Every case returned bit-identical shards for every rank (digests agree).")
+    for name, why in result["skipped"].items():
+        lines.append(f"- skipped `{name}`: {why}")
+    lines.append("")
+    for cache in cfg["caches"]:
+        lines += [f"## {cache} page cache", "", table(summaries, cache), ""]
+    lines += ["## Targets", "", targets_table(items), ""]
+    if result.get("load_breakdown"):
+        lines += ["## `rayload.load` wall time", "", _breakdown(result["load_breakdown"]), ""]
+    if chart:
+        lines += [f"![wall time per case]({chart})", ""]
+    return "\n".join(lines)
+
+
+def _breakdown(b: dict[str, Any]) -> str:
+    rows = [["part", "seconds"], ["---", "---"]]
+    rows += [[k, f"{v:.3f}" if isinstance(v, float) else str(v)] for k, v in b.items()]
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
+def chart(summaries: Sequence[CaseSummary], caches: Sequence[str], path: Path) -> bool:
+    """A bar chart of median wall time, one panel per cache state, one group per TP size.
+    Returns False (and logs why) when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed; no chart (pip install 'rayload[bench]')")
+        return False
+    cases = list(dict.fromkeys(s.case for s in summaries if s.case != "limit"))
+    tps = sorted({s.tp_size for s in summaries if s.case != "limit"})
+    by = {(s.case, s.tp_size, s.cache): s for s in summaries if s.runs}
+    fig, axes = plt.subplots(1, len(caches), figsize=(6 * len(caches), 4.5), squeeze=False)
+    width = 0.8 / max(1, len(cases))
+    for ax, cache in zip(axes[0], caches, strict=True):
+        for i, case in enumerate(cases):
+            xs = [t + (i - (len(cases) - 1) / 2) * width for t in range(len(tps))]
+            ys = [by[(case, tp, cache)].wall_s if (case, tp, cache) in by else 0 for tp in tps]
+            ax.bar(xs, ys, width, label=case)
+        limit = by.get(("limit", 1, cache))
+        if limit is not None:
+            ax.axhline(limit.wall_s, color="black", linestyle="--", label="sequential-read limit")
+        ax.set_xticks(range(len(tps)), [f"TP={tp}" for tp in tps])
+        ax.set_ylabel("wall time, s (median; lower is better)")
+        ax.set_title(f"{cache} page cache")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write(
+    result: dict[str, Any],
+    summaries: Sequence[CaseSummary],
+    items: Sequence[Target],
+    out_dir: Path,
+    stem: str,
+) -> dict[str, Path]:
+    """Write ``stem``.json, ``stem``.md and ``stem``.png into ``out_dir``; return the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / f"{stem}.json", "md": out_dir / f"{stem}.md"}
+    png = out_dir / f"{stem}.png"
+    if chart(summaries, result["config"]["caches"], png):
+        paths["png"] = png
+    paths["json"].write_text(json.dumps(result, indent=1, default=str) + "\n")
+    paths["md"].write_text(
+        markdown(result, summaries, items, png.name if "png" in paths else None) + "\n"
+    )
+    return paths
