@@ -1,0 +1,105 @@
+"""The names DESIGN.md fixes for spans and attributes, and how attribute values are cleaned.
+
+Span tree::
+
+    rayload.load                  driver, root; one per rayload.load()
+    ├── rayload.placement         driver: placement group created and ready
+    ├── rayload.spawn             driver, one per rank: actor process launch to ready
+    └── rank.load                 rank process, one per rank
+        ├── rank.resolve          ... one child per timed phase (loading.report.PHASES)
+        ├── rank.plan
+        ├── rank.read
+        ├── rank.to_device
+        ├── rank.sync
+        └── rank.post_load
+
+Every attribute rayload sets is prefixed ``rayload.`` (``rayload.rank``,
+``rayload.method.effective``, ...); resources carry ``service.name`` and ``host.name``.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import PurePath
+from typing import Any
+
+from opentelemetry.util.types import AttributeValue
+
+from rayload.loading.report import PHASES
+
+ROOT_SPAN = "rayload.load"
+PLACEMENT_SPAN = "rayload.placement"
+SPAWN_SPAN = "rayload.spawn"
+RANK_SPAN = "rank.load"
+RANK_PHASES: tuple[str, ...] = PHASES
+
+DRIVER_SERVICE = "rayload"
+RANK_SERVICE = "rayload-rank"
+SCOPE_NAME = "rayload"
+
+ATTR_PREFIX = "rayload."
+RANK = "rayload.rank"
+TP_SIZE = "rayload.tp_size"
+NODE_ID = "rayload.node_id"
+DEVICE = "rayload.device"
+METHOD_REQUESTED = "rayload.method.requested"
+METHOD_SELECTED = "rayload.method.selected"
+METHOD_EFFECTIVE = "rayload.method.effective"
+FALLBACK_REASON = "rayload.fallback_reason"
+BYTES = "rayload.bytes"
+MODEL_ROLE = "rayload.model_role"
+CLOCK_OFFSET_MS = "rayload.clock_offset_ms"
+CLOCK_RTT_MS = "rayload.clock_rtt_ms"
+
+_PRIMITIVES = (bool, str, int, float)
+_EXCEPTION_TYPE = re.compile(r"^([A-Za-z_][\w.]*)\(")
+
+
+def prefixed(key: str) -> str:
+    """``key`` with the ``rayload.`` prefix, added only where it is missing."""
+    return key if key.startswith(ATTR_PREFIX) else ATTR_PREFIX + key
+
+
+def rayload_attributes(attributes: Mapping[str, Any] | None) -> dict[str, AttributeValue]:
+    """Span attributes from a plain dict: keys prefixed ``rayload.``, values made valid.
+
+    OpenTelemetry accepts only str, bool, int, float and homogeneous sequences of them.
+    ``None`` means "not applicable" (e.g. no ``fallback_reason``) and is left out; enums
+    become their value, paths and anything else their ``str``.
+    """
+    cleaned: dict[str, AttributeValue] = {}
+    for key, value in (attributes or {}).items():
+        if value is None:
+            continue
+        cleaned[prefixed(key)] = _attribute_value(value)
+    return cleaned
+
+
+def _attribute_value(value: Any) -> AttributeValue:
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, _PRIMITIVES):
+        return value
+    if isinstance(value, PurePath):
+        return str(value)
+    if isinstance(value, Sequence) and not isinstance(value, (bytes, bytearray)):
+        items = [_attribute_value(v) for v in value]
+        if items and all(type(v) is type(items[0]) for v in items):
+            return items
+        return [str(v) for v in items]
+    return str(value)
+
+
+def exception_attributes(error: str) -> dict[str, AttributeValue]:
+    """Attributes of an ``exception`` span event (semantic conventions) from ``repr(exc)``.
+
+    Ranks send failures as strings (exceptions do not always pickle across Ray), so the
+    type is recovered from the ``TypeName(...)`` shape of ``repr`` when it has one.
+    """
+    match = _EXCEPTION_TYPE.match(error)
+    return {
+        "exception.type": match.group(1) if match else "Error",
+        "exception.message": error,
+    }
