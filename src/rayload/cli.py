@@ -27,19 +27,58 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    import json
+
+    from rayload.loading.checkpoint import open_checkpoint
+    from rayload.loading.describe import describe_checkpoint, render_checkpoint
+
+    summary = describe_checkpoint(open_checkpoint(args.dir))
+    print(json.dumps(summary) if args.json else render_checkpoint(summary))
+    return 0
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    import json
+
+    from rayload.loading.checkpoint import open_checkpoint
+    from rayload.loading.describe import describe_plan, render_plan
+    from rayload.loading.plan import plan_shards
+
+    checkpoint = open_checkpoint(args.dir)
+    plan = plan_shards(checkpoint, args.tp, rules=args.rules)
+    summary = describe_plan(plan, checkpoint.root)
+    print(json.dumps(summary) if args.json else render_plan(summary))
+    return 0
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    from rayload.loading.convert import convert_checkpoint
+    from rayload.loading.manifest import MANIFEST_NAME
+
+    out = convert_checkpoint(args.dir, args.out, args.tp, rules=args.rules)
+    print(f"converted {args.dir} for tp={args.tp}: {out / MANIFEST_NAME}")
+    return 0
 
 
 def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    from rayload.loading.checkpoint import open_checkpoint
+    from rayload.loading.describe import human_bytes
+    from rayload.loading.synthetic import write_checkpoint
+
+    out = write_checkpoint(
+        args.out,
+        preset=args.preset,
+        size_gb=args.size_gb,
+        dtype=args.dtype,
+        num_files=args.files,
+        seed=args.seed,
+    )
+    checkpoint = open_checkpoint(out)
+    print(
+        f"wrote {out}: {args.preset}, {len(checkpoint.tensors)} tensors, "
+        f"{human_bytes(checkpoint.tensor_bytes)} in {len(checkpoint.files)} files"
+    )
+    return 0
 
 
 def _cmd_load(args: argparse.Namespace) -> int:

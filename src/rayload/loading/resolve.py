@@ -15,12 +15,11 @@ import torch
 
 from rayload.errors import CheckpointError, ConfigError, MethodUnavailableError
 from rayload.loading.checkpoint import Checkpoint, Layout
+from rayload.loading.manifest import MANIFEST_NAME
 from rayload.loading.methods import LoadMethod
 from rayload.loading.probe import EnvProbe
 
 log = logging.getLogger(__name__)
-
-MANIFEST_NAME = "rayload-manifest.json"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,137 @@
+"""Load one TP rank in the current process: no Ray needed.
+
+:func:`load_rank` is the whole rank load in order, one :class:`PhaseTimer` phase per step:
+``rank.resolve`` (headers, environment probe, method and device), ``rank.plan`` (this
+rank's byte ranges), the backend's ``rank.read`` / ``rank.to_device`` / ``rank.sync``,
+then ``rank.post_load``. The Ray rank actor calls it with its own timer so the phases of a
+failed load survive the exception.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from rayload.errors import ConfigError, MethodUnavailableError
+from rayload.loading.backends import BACKENDS, ReaderOptions
+from rayload.loading.checkpoint import open_checkpoint
+from rayload.loading.methods import LoadMethod, MethodReport
+from rayload.loading.plan import plan_shards
+from rayload.loading.probe import EnvProbe, probe_environment
+from rayload.loading.report import PhaseTimer, RankReport
+from rayload.loading.resolve import LayoutInfo, log_fallback, resolve_method
+from rayload.loading.rules import RulesArg
+
+PostLoad = Callable[[dict[str, torch.Tensor]], object]
+"""Post-load work on the loaded tensors (e.g. weight processing); its result is ignored."""
+
+_MODEL_ROLES = ("main", "draft")
+
+
+def load_rank(
+    path: str | os.PathLike[str],
+    rank: int,
+    tp_size: int,
+    method: LoadMethod | str = "scratch",
+    device: str | torch.device = "cpu",
+    *,
+    strict: bool = False,
+    rules: RulesArg = None,
+    model_role: str = "main",
+    probe: EnvProbe | None = None,
+    timer: PhaseTimer | None = None,
+    post_load: PostLoad | None = None,
+    reader_options: ReaderOptions | None = None,
+) -> tuple[dict[str, torch.Tensor], RankReport]:
+    """Load rank ``rank`` of ``tp_size`` of the checkpoint at ``path`` onto ``device``.
+
+    ``method`` is a :class:`LoadMethod` or its string; ``device`` is ``auto`` (the local
+    GPU, ``cuda:0`` of the visible set, else cpu), ``cpu``, ``cuda`` or ``cuda:N``.
+    ``strict`` turns any fallback (chosen up front or detected after the read) into
+    :class:`MethodUnavailableError`. ``probe`` replaces the environment probe (tests);
+    ``timer`` collects the phases (pass your own to keep them when this raises);
+    ``post_load(tensors)`` runs inside ``rank.post_load``, followed by a device sync.
+
+    Returns the tensors (this rank's shards by name) and the :class:`RankReport`, whose
+    ``start_ns`` is taken before any config or header is parsed.
+    """
+    timer = timer if timer is not None else PhaseTimer()
+    start_ns = timer.clock()
+    _check_rank(rank, tp_size, model_role)
+    with timer.phase("rank.resolve", tp_size=tp_size, model_role=model_role) as attrs:
+        checkpoint = open_checkpoint(path)
+        env = probe if probe is not None else probe_environment()
+        resolution = resolve_method(
+            method,
+            env,
+            LayoutInfo.of(checkpoint),
+            tp_size=tp_size,
+            device=device,
+            strict=strict,
+        )
+        attrs.update(
+            {
+                "method.requested": resolution.requested.value,
+                "method.selected": resolution.selected.value,
+                "device": resolution.device,
+                "resolve_reason": resolution.reason,
+            }
+        )
+        if resolution.fallback_reason is not None:
+            attrs["fallback_reason"] = resolution.fallback_reason
+    log_fallback(rank, resolution.requested, resolution.selected, resolution.fallback_reason)
+
+    with timer.phase("rank.plan") as attrs:
+        plan = plan_shards(checkpoint, tp_size, rules=rules).ranks[rank]
+        attrs.update({"bytes": plan.nbytes, "tensors": len(plan.shards)})
+
+    backend = BACKENDS[resolution.selected](env, checkpoint=checkpoint, options=reader_options)
+    result = backend.load(plan, resolution.device, timer)
+    if result.fallback_reason is not None:
+        log_fallback(rank, resolution.selected, result.effective, result.fallback_reason)
+        if strict:
+            raise MethodUnavailableError(
+                f"rank {rank}: {resolution.selected.value} ran as {result.effective.value}: "
+                f"{result.fallback_reason} (strict mode forbids falling back)"
+            )
+    tensors = result.tensors
+
+    with timer.phase("rank.post_load", device=resolution.device):
+        if post_load is not None:
+            post_load(tensors)
+            if torch.device(resolution.device).type == "cuda":
+                torch.cuda.synchronize(resolution.device)
+
+    reasons = [r for r in (resolution.fallback_reason, result.fallback_reason) if r]
+    report = RankReport(
+        rank=rank,
+        tp_size=tp_size,
+        device=resolution.device,
+        method=MethodReport(
+            requested=resolution.requested,
+            selected=resolution.selected,
+            effective=result.effective,
+            fallback_reason="; ".join(reasons) or None,
+        ),
+        bytes_read=result.bytes_read,
+        tensors=len(tensors),
+        start_ns=start_ns,
+        end_ns=timer.clock(),
+        files=plan.files,
+        phases=tuple(timer.records),
+        model_role=model_role,
+    )
+    return tensors, report
+
+
+def _check_rank(rank: int, tp_size: int, model_role: str) -> None:
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ConfigError(f"tp_size must be a positive integer, got {tp_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp_size:
+        raise ConfigError(f"rank must be in 0..{tp_size - 1} for tp_size {tp_size}, got {rank!r}")
+    if model_role not in _MODEL_ROLES:
+        raise ConfigError(
+            f"model_role must be one of {', '.join(_MODEL_ROLES)}, got {model_role!r}"
+        )
