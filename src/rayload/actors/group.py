@@ -1,0 +1,267 @@
+"""Driver side of the rank actors: spawn them into their bundles, measure their clocks, load
+every rank in parallel and stop them all.
+
+Nothing here raises for a rank's failure: :meth:`RankActorGroup.spawn` and
+:meth:`RankActorGroup.load` return a :class:`RankFailure` (or None) so the caller can still
+record the trace before it raises :func:`failure_error`. Waits use ``ray.wait`` against one
+deadline, so a dead or hung rank ends the load promptly.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import ray
+from ray.exceptions import RayActorError, RayError
+
+from rayload.actors.faults import FaultInjection
+from rayload.actors.rank_actor import RankActor
+from rayload.actors.records import ActorInfo, LoadRequest, RankOutcome
+from rayload.errors import InputError, RankFailedError, RankTimeoutError, RayloadError
+from rayload.placement import RankPlacement
+from rayload.tracing.clock import ClockSample, best_clock_offset
+
+log = logging.getLogger(__name__)
+
+_RemoteRankActor: Any = ray.remote(RankActor)
+
+CLOCK_ROUNDS = 5
+"""Clock-offset round trips per rank; the one with the smallest round trip is kept."""
+
+_ACTOR_DIED_HEADLINE = "The actor died unexpectedly before finishing this task."
+
+FailureKind = Literal["raised", "died", "timeout"]
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """The first rank that failed, and how. ``input_error`` is set when the rank found the
+    user's input wrong (re-raised as that :class:`InputError`, exit 2)."""
+
+    rank: int
+    node_id: str | None
+    kind: FailureKind
+    cause: str
+    input_error: InputError | None = None
+
+
+@dataclass(frozen=True)
+class GroupLoad:
+    """What :meth:`RankActorGroup.load` got back: every rank that answered (loaded or
+    failed), the first failure, and the ranks that never answered (dead, hung, stopped)."""
+
+    outcomes: Mapping[int, RankOutcome]
+    failure: RankFailure | None
+    unfinished: tuple[int, ...]
+    dispatch_ns: int
+    end_ns: int
+
+
+@dataclass
+class RankActorGroup:
+    """The rank actors of one load, one per bundle of ``placement``.
+
+    ``clock_skews_ns`` and ``fault`` are TEST HOOKS passed to the actors (see
+    :class:`~rayload.actors.rank_actor.RankActor`).
+    """
+
+    placement: RankPlacement
+    want_gpu: bool
+    fault: FaultInjection | None = None
+    clock_skews_ns: Mapping[int, int] = field(default_factory=dict)
+    actors: list[Any] = field(default_factory=list)
+    infos: dict[int, ActorInfo] = field(default_factory=dict)
+    spawn_start_ns: dict[int, int] = field(default_factory=dict)
+    ready_ns: dict[int, int] = field(default_factory=dict)
+    clock_offsets: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def tp_size(self) -> int:
+        return self.placement.tp_size
+
+    def node_id(self, rank: int) -> str | None:
+        """The node rank ``rank`` runs on: what its actor said, else where its bundle is."""
+        if rank in self.infos:
+            return self.infos[rank].node_id
+        try:
+            return self.placement.node_ids().get(rank)
+        except RayError:
+            return None
+
+    def spawn(self, *, deadline: float) -> RankFailure | None:
+        """Start every rank's actor in its bundle, all at once, and wait until each is
+        ready (or one fails, or ``deadline``, a ``time.monotonic()`` value, passes)."""
+        waiting: dict[Any, int] = {}
+        for rank in range(self.tp_size):
+            resources = self.placement.resources(rank, want_gpu=self.want_gpu)
+            self.spawn_start_ns[rank] = time.time_ns()
+            actor = _RemoteRankActor.options(
+                num_cpus=resources.num_cpus,
+                num_gpus=resources.num_gpus,
+                scheduling_strategy=self.placement.scheduling_strategy(rank),
+                max_restarts=0,
+                max_task_retries=0,
+            ).remote(
+                rank,
+                clock_skew_ns=self.clock_skews_ns.get(rank, 0),
+                fault=self.fault if self.fault is not None and self.fault.rank == rank else None,
+            )
+            self.actors.append(actor)
+            waiting[actor.ready.remote()] = rank
+
+        def on_ready(rank: int, info: ActorInfo) -> None:
+            self.infos[rank] = info
+            self.ready_ns[rank] = time.time_ns()
+
+        return self._gather(waiting, deadline, "start", on_ready)
+
+    def measure_clocks(self, rounds: int = CLOCK_ROUNDS) -> None:
+        """Measure every rank's clock offset: ``rounds`` parallel round trips per rank."""
+        samples: dict[int, list[ClockSample]] = {rank: [] for rank in range(self.tp_size)}
+        for _ in range(rounds):
+            t_send = time.time_ns()
+            pending: dict[Any, int] = {
+                actor.clock.remote(): rank for rank, actor in enumerate(self.actors)
+            }
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=1)
+                t_recv = time.time_ns()
+                rank = pending.pop(ready[0])
+                samples[rank].append((t_send, ray.get(ready[0]), t_recv))
+        self.clock_offsets = {rank: best_clock_offset(s) for rank, s in samples.items()}
+
+    def spawn_interval(self, rank: int) -> tuple[int, int]:
+        """``(start_ns, end_ns)`` of rank ``rank``'s spawn on the driver's clock: from the
+        driver's spawn call to the end of the actor's ``__init__`` (clock-corrected, kept
+        within the time the driver saw it ready)."""
+        start = self.spawn_start_ns[rank]
+        received = self.ready_ns[rank]
+        offset = self.clock_offsets.get(rank, (0, 0))[0]
+        end = self.infos[rank].init_end_ns - offset
+        return start, min(max(end, start), received)
+
+    def load(
+        self,
+        request: LoadRequest,
+        *,
+        deadline: float,
+        on_rank_done: Callable[[RankOutcome], None] | None = None,
+    ) -> GroupLoad:
+        """Load every rank in parallel; stop at the first failure or at ``deadline``."""
+        dispatch_ns = time.time_ns()
+        waiting: dict[Any, int] = {
+            actor.load.remote(request): rank for rank, actor in enumerate(self.actors)
+        }
+        outcomes: dict[int, RankOutcome] = {}
+
+        def on_outcome(rank: int, outcome: RankOutcome) -> RankFailure | None:
+            outcomes[rank] = outcome
+            if outcome.error is not None:
+                return RankFailure(
+                    rank=rank,
+                    node_id=outcome.node_id,
+                    kind="raised",
+                    cause=outcome.error.describe(),
+                    input_error=outcome.error.input_error,
+                )
+            if on_rank_done is not None:
+                on_rank_done(outcome)
+            return None
+
+        failure = self._gather(waiting, deadline, "load", on_outcome)
+        return GroupLoad(
+            outcomes=outcomes,
+            failure=failure,
+            unfinished=tuple(sorted(set(range(self.tp_size)) - set(outcomes))),
+            dispatch_ns=dispatch_ns,
+            end_ns=time.time_ns(),
+        )
+
+    def kill(self) -> None:
+        """Stop every rank actor (their tensors go with them). Idempotent."""
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+
+    def _gather(
+        self,
+        waiting: dict[Any, int],
+        deadline: float,
+        what: str,
+        on_result: Callable[[int, Any], RankFailure | None],
+    ) -> RankFailure | None:
+        """Collect results as they come; the first failure or the deadline ends the wait."""
+        while waiting:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                rank = min(waiting.values())
+                late = sorted(waiting.values())
+                return RankFailure(
+                    rank=rank,
+                    node_id=self.node_id(rank),
+                    kind="timeout",
+                    cause=f"did not {what} in time (ranks still running: {late})",
+                )
+            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=remaining)
+            if not ready:
+                continue
+            rank = waiting.pop(ready[0])
+            try:
+                result = ray.get(ready[0])
+            except RayActorError as exc:
+                return RankFailure(rank, self.node_id(rank), "died", describe_actor_error(exc))
+            except RayError as exc:
+                return RankFailure(rank, self.node_id(rank), "raised", _first_line(str(exc)))
+            failure = on_result(rank, result)
+            if failure is not None:
+                return failure
+        return None
+
+
+def describe_actor_error(exc: RayActorError) -> str:
+    """One line saying why an actor is gone, from Ray's multi-line message."""
+    text = str(exc)
+    if getattr(exc, "actor_init_failed", False):
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        return f"actor __init__ raised {lines[-1] if lines else 'an error'}"
+    lines = [
+        line.strip()
+        for line in text.splitlines()
+        if line.strip() and not line.startswith("\t") and line != _ACTOR_DIED_HEADLINE
+    ]
+    detail = " ".join(lines) or "unknown cause"
+    detail = detail.split(" Some common causes")[0]
+    return f"actor died: {detail}"
+
+
+def failure_error(failure: RankFailure, *, timeout_s: float) -> RayloadError:
+    """The exception a failed load raises: the rank's own :class:`InputError` (prefixed
+    with rank and node), :class:`RankTimeoutError`, or :class:`RankFailedError`."""
+    where = f"rank {failure.rank} on node {failure.node_id or 'unknown'}"
+    if failure.input_error is not None:
+        error = copy.copy(failure.input_error)
+        error.args = (f"{where}: {failure.input_error}",)
+        return error
+    if failure.kind == "timeout":
+        return RankTimeoutError(
+            f"{where} {failure.cause}: the load timed out after {timeout_s:g} s; raise the "
+            "timeout or look at that rank's node (storage, memory)",
+            rank=failure.rank,
+            node_id=failure.node_id,
+            timeout_s=timeout_s,
+        )
+    return RankFailedError(
+        f"{where} failed: {failure.cause}",
+        rank=failure.rank,
+        node_id=failure.node_id,
+        cause=failure.cause,
+    )
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), text)

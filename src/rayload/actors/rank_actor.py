@@ -1,0 +1,175 @@
+"""The rank actor: one per TP rank, holding that rank's weights resident.
+
+Thin on purpose: it owns state (the tensors, its clock, its identity) and delegates the
+work to :func:`rayload.loading.load_rank` and :mod:`rayload.tracing`. Its methods return
+small records, never tensors, except :meth:`RankActor.shard`, which a caller asks for
+explicitly.
+
+The class is plain Python; the driver wraps it with ``ray.remote`` and the resources of the
+rank's bundle (see :mod:`rayload.actors.group`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import ray
+
+from rayload.actors.device import resolve_device
+from rayload.actors.faults import FaultInjection, FaultyTimer
+from rayload.actors.records import ActorInfo, LoadRequest, RankError, RankOutcome, RankState
+from rayload.loading import load_rank
+from rayload.loading.report import PhaseTimer, RankReport
+from rayload.tracing.record import rank_spans_payload, report_attributes
+
+log = logging.getLogger(__name__)
+
+
+class RankActor:
+    """Rank ``rank``'s actor.
+
+    ``clock_skew_ns`` and ``fault`` are TEST HOOKS: the first shifts every time the actor
+    reports (phases, spans, :meth:`clock`) to model another node's clock; the second makes
+    this rank fail on purpose (see :mod:`rayload.actors.faults`).
+    """
+
+    def __init__(
+        self, rank: int, *, clock_skew_ns: int = 0, fault: FaultInjection | None = None
+    ) -> None:
+        self._skew_ns = clock_skew_ns
+        init_start_ns = self.clock()
+        self._rank = rank
+        self._fault = fault
+        self._tensors: dict[str, Any] = {}
+        self._report: RankReport | None = None
+        self._host_name = socket.gethostname()
+        context = ray.get_runtime_context()
+        self._node_id = context.get_node_id()
+        self._info = ActorInfo(
+            rank=rank,
+            node_id=self._node_id,
+            host_name=self._host_name,
+            pid=os.getpid(),
+            gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+            cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+            init_start_ns=init_start_ns,
+            init_end_ns=self.clock(),
+            process_start_ns=self._process_start_ns(),
+        )
+
+    def clock(self) -> int:
+        """This actor's wall clock in ns: the remote half of a clock-offset round trip."""
+        return time.time_ns() + self._skew_ns
+
+    def ready(self) -> ActorInfo:
+        return self._info
+
+    def load(self, request: LoadRequest) -> RankOutcome:
+        """Load this rank's shard and keep it resident. Never raises for a failed load: the
+        outcome carries the error and the spans recorded up to it."""
+        timer = self._timer()
+        start_ns = self.clock()
+        report: RankReport | None = None
+        error: RankError | None = None
+        try:
+            device = resolve_device(
+                request.device,
+                gpu_ids=self._info.gpu_ids,
+                cuda_device_count=_cuda_device_count(),
+                rank=self._rank,
+            )
+            self._tensors, report = load_rank(
+                request.path,
+                self._rank,
+                request.tp_size,
+                request.method,
+                device,
+                strict=request.strict,
+                rules=request.rules,
+                model_role=request.model_role,
+                timer=timer,
+            )
+            report = _with_node(report, self._node_id)
+            self._report = report
+        except Exception as exc:
+            log.exception("rank %d failed to load %s", self._rank, request.path)
+            error = RankError.from_exception(exc)
+            self._tensors = {}
+        end_ns = self.clock()
+        if report is not None:
+            attributes = report_attributes(report)
+            start_ns, end_ns = report.start_ns, report.end_ns
+        else:
+            attributes = {"node_id": self._node_id, "model_role": request.model_role}
+        spans = rank_spans_payload(
+            traceparent=request.traceparent,
+            rank=self._rank,
+            tp_size=request.tp_size,
+            start_ns=start_ns,
+            end_ns=end_ns,
+            phases=report.phases if report is not None else tuple(timer.records),
+            attributes=attributes,
+            error=error.describe() if error else None,
+            host_name=self._host_name,
+        )
+        return RankOutcome(
+            rank=self._rank,
+            node_id=self._node_id,
+            spans=spans,
+            start_ns=start_ns,
+            end_ns=end_ns,
+            report=report,
+            error=error,
+        )
+
+    def shard(self, name: str) -> Any:
+        """A CPU copy of this rank's tensor ``name``."""
+        if name not in self._tensors:
+            raise KeyError(
+                f"rank {self._rank} holds no tensor {name!r} ({len(self._tensors)} loaded)"
+            )
+        return self._tensors[name].to("cpu", copy=True)
+
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(RankState, *args, **kwargs)`` on this rank's resident weights."""
+        if self._report is None:
+            raise RuntimeError(f"rank {self._rank} has not loaded weights yet")
+        state = RankState(
+            rank=self._rank,
+            tp_size=self._report.tp_size,
+            device=self._report.device,
+            tensors=self._tensors,
+            report=self._report,
+        )
+        return fn(state, *args, **kwargs)
+
+    def _timer(self) -> PhaseTimer:
+        if self._fault is not None and self._fault.rank == self._rank:
+            return FaultyTimer(self._fault, clock=self.clock)
+        return PhaseTimer(clock=self.clock)
+
+    def _process_start_ns(self) -> int | None:
+        try:
+            import psutil
+        except ImportError:
+            return None
+        return int(psutil.Process().create_time() * 1e9) + self._skew_ns
+
+
+def _cuda_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _with_node(report: RankReport, node_id: str) -> RankReport:
+    return replace(report, node_id=node_id)

@@ -1,0 +1,104 @@
+"""What travels between the driver and a rank actor: small frozen records, never tensors.
+
+A rank that fails does not raise through Ray: its :class:`RankOutcome` carries a
+:class:`RankError` plus the spans recorded up to the failure, so the driver can both raise a
+clear error and still write the trace (with ``log_to_driver=False`` the actor's own log
+would not reach the user).
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from rayload.errors import InputError
+from rayload.loading.report import RankReport
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """What every rank is asked to load; the same for all ranks of one load."""
+
+    path: str
+    tp_size: int
+    method: str
+    device: str
+    traceparent: str
+    strict: bool = False
+    rules: Any = None
+    model_role: str = "main"
+
+
+@dataclass(frozen=True)
+class ActorInfo:
+    """A rank actor's identity, reported once it is ready.
+
+    Times are the actor's wall clock (``time.time_ns``, plus any injected skew): the driver
+    corrects them with the measured clock offset. ``process_start_ns`` is when the worker
+    process was launched; Ray may reuse a pre-started worker, so it can precede the spawn.
+    """
+
+    rank: int
+    node_id: str
+    host_name: str
+    pid: int
+    gpu_ids: tuple[str, ...]
+    cuda_visible_devices: str | None
+    init_start_ns: int
+    init_end_ns: int
+    process_start_ns: int | None
+
+
+@dataclass(frozen=True)
+class RankError:
+    """Why a rank failed, in a form that survives pickling.
+
+    ``input_error`` keeps a rayload :class:`InputError` (strict method fallback, a device
+    the rank lacks, a checkpoint problem only the rank saw) so the driver re-raises it as
+    bad input (exit 2) rather than as a failed rank.
+    """
+
+    type_name: str
+    message: str
+    traceback: str
+    input_error: InputError | None = None
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> RankError:
+        return cls(
+            type_name=type(exc).__name__,
+            message=str(exc),
+            traceback="".join(traceback.format_exception(exc)),
+            input_error=exc if isinstance(exc, InputError) else None,
+        )
+
+    def describe(self) -> str:
+        """``RuntimeError: disk on fire``: the cause as one line."""
+        return f"{self.type_name}: {self.message}" if self.message else self.type_name
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    """The result of one rank's ``load``: the report (None when it failed), the rank's
+    spans as OTLP bytes (always, failed phases marked), and the error if any."""
+
+    rank: int
+    node_id: str
+    spans: bytes
+    start_ns: int
+    end_ns: int
+    report: RankReport | None = None
+    error: RankError | None = None
+
+
+@dataclass(frozen=True)
+class RankState:
+    """What a function passed to ``LoadResult.apply`` receives on each rank: the rank's
+    resident tensors and where they live. ``tensors`` is the live dict, not a copy."""
+
+    rank: int
+    tp_size: int
+    device: str
+    tensors: dict[str, Any]
+    report: RankReport

@@ -1,0 +1,428 @@
+"""The public entry point: :func:`load` a checkpoint onto Ray, one actor per TP rank, and get
+a :class:`LoadResult` holding the resident weights, the per-rank reports, the startup
+metrics and the trace id.
+
+One load, in order (each step a span of the startup trace)::
+
+    validate input (driver)  ->  placement group  ->  spawn rank actors (parallel)
+      ->  clock offsets  ->  load every rank (parallel, one deadline)  ->  trace + metrics
+
+Bad input fails in the driver before any actor starts (:class:`InputError`). A rank that
+raises, dies or hangs ends the load with :class:`RankFailedError` /
+:class:`RankTimeoutError`; the other ranks are stopped, the placement group removed, and
+the trace is still written with the failing rank marked ERROR.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, NoReturn
+
+import ray
+
+from rayload.actors.faults import fault_from_env
+from rayload.actors.group import RankActorGroup, RankFailure, failure_error
+from rayload.actors.records import LoadRequest, RankOutcome, RankState
+from rayload.errors import CheckpointError, ConfigError, RankFailedError
+from rayload.loading.checkpoint import open_checkpoint
+from rayload.loading.methods import LoadMethod
+from rayload.loading.plan import ShardPlan, plan_shards
+from rayload.loading.report import RankReport
+from rayload.placement import STRATEGIES, RankPlacement, create_placement_group
+from rayload.placement.group import current_placement
+from rayload.progress import LoadProgress, mixed_method_warnings
+from rayload.tracing import (
+    StartupTrace,
+    export_otlp,
+    prepare_trace_dir,
+    publish_ray_metrics,
+    startup_metrics,
+    write_trace_files,
+)
+
+log = logging.getLogger(__name__)
+
+DEVICES = ("auto", "cpu", "cuda")
+
+OTLP_TIMEOUT_S = 5.0
+
+ProgressCallback = Callable[[LoadProgress], None]
+
+
+@dataclass(eq=False)
+class LoadResult:
+    """The weights of every rank, resident in their actors, and what the load cost.
+
+    A context manager: leaving it (or :meth:`close`) stops the actors, removes the
+    placement group rayload created, and shuts Ray down if :func:`load` started it.
+    """
+
+    trace_id: str
+    plan: ShardPlan
+    ranks: list[RankReport]
+    startup_metrics: dict[str, Any]
+    actors: list[Any]
+    warnings: list[str] = field(default_factory=list)
+    trace_files: dict[str, str] = field(default_factory=dict)
+    _group: RankActorGroup | None = field(default=None, repr=False)
+    _placement: RankPlacement | None = field(default=None, repr=False)
+    _started_ray: bool = field(default=False, repr=False)
+
+    @property
+    def tp_size(self) -> int:
+        return self.plan.tp_size
+
+    def shard(self, rank: int, name: str) -> Any:
+        """A CPU copy of rank ``rank``'s tensor ``name`` (KeyError if the rank has none)."""
+        if not 0 <= rank < len(self.actors):
+            raise IndexError(f"rank {rank} out of range for tp_size {len(self.actors)}")
+        return self._call(rank, self.actors[rank].shard.remote(name))
+
+    def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn(state, *args, **kwargs)`` on every rank, in parallel, where ``state`` is
+        that rank's :class:`~rayload.actors.records.RankState` (its resident tensors, rank,
+        device); return the results in rank order. This is how an engine builds its model
+        from the loaded weights without moving them."""
+        refs = [actor.apply.remote(fn, *args, **kwargs) for actor in self.actors]
+        return [self._call(rank, ref) for rank, ref in enumerate(refs)]
+
+    def close(self) -> None:
+        """Stop the actors and release the placement group (and Ray, if load started it).
+        Idempotent."""
+        _release(self._group, self._placement, self._started_ray)
+        self._group, self._placement, self._started_ray = None, None, False
+        self.actors = []
+
+    def __enter__(self) -> LoadResult:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _call(self, rank: int, ref: ray.ObjectRef) -> Any:
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            node = self.ranks[rank].node_id
+            raise RankFailedError(
+                f"rank {rank} on node {node} is gone: {exc.__class__.__name__}; its weights "
+                "are lost, load again",
+                rank=rank,
+                node_id=node,
+                cause=str(exc).splitlines()[0],
+            ) from exc
+
+
+def load(
+    path: str | os.PathLike[str],
+    tp_size: int,
+    method: str | LoadMethod = "auto",
+    device: str = "auto",
+    *,
+    strict: bool = False,
+    address: str | None = None,
+    placement_strategy: str = "STRICT_PACK",
+    trace_dir: str | os.PathLike[str] | None = None,
+    otlp_endpoint: str | None = None,
+    timeout: float = 600.0,
+    rules: Any = None,
+    model_role: str = "main",
+    progress: ProgressCallback | None = None,
+) -> LoadResult:
+    """Load the checkpoint at ``path`` onto Ray with ``tp_size`` ranks, one actor each.
+
+    Joins the Ray at ``address`` (or the one already initialized, or ``RAY_ADDRESS``), else
+    starts a local Ray that :meth:`LoadResult.close` shuts down. Inside an actor that is
+    in a placement group (a Ray Serve replica), the ranks take bundles ``1..tp_size`` of
+    that group; otherwise rayload creates a group with ``placement_strategy``.
+    ``timeout`` (seconds) bounds the whole load, placement included. ``trace_dir`` gets the
+    trace files and ``otlp_endpoint`` the spans, whether the load succeeds or fails.
+
+    Raises :class:`~rayload.errors.InputError` (bad input, before any actor starts),
+    :class:`~rayload.errors.RankFailedError` or :class:`~rayload.errors.RankTimeoutError`.
+    """
+    source = _validate(path, tp_size, method, device, placement_strategy, timeout, model_role)
+    plan = plan_shards(open_checkpoint(source), tp_size, rules=rules)
+    outputs = _TraceOutputs(trace_dir, otlp_endpoint)
+    outputs.prepare()
+    fault = fault_from_env()
+    deadline = time.monotonic() + timeout
+    started_ray = _connect(address)
+    trace = StartupTrace(tp_size=tp_size, model_role=model_role)
+    placement: RankPlacement | None = None
+    group: RankActorGroup | None = None
+    try:
+        placement, placement_seconds = _place(trace, tp_size, device, placement_strategy, deadline)
+        _notify(progress, LoadProgress("placed", tp_size))
+        group = RankActorGroup(placement, want_gpu=device != "cpu", fault=fault)
+        spawned = time.time_ns()
+        failure = group.spawn(deadline=deadline)
+        if failure is None:
+            group.measure_clocks()
+        _record_spawns(trace, group)
+        if failure is not None:
+            _fail(trace, outputs, group, failure, answered=(), since_ns=spawned, timeout=timeout)
+        _notify(progress, LoadProgress("spawned", tp_size))
+        request = LoadRequest(
+            path=source,
+            tp_size=tp_size,
+            method=str(LoadMethod(method)),
+            device=device,
+            traceparent=trace.traceparent(),
+            strict=strict,
+            rules=rules,
+            model_role=model_role,
+        )
+        finished = group.load(
+            request, deadline=deadline, on_rank_done=_rank_notifier(progress, tp_size)
+        )
+        for outcome in finished.outcomes.values():
+            trace.add_rank(outcome.spans, *group.clock_offsets.get(outcome.rank, (0, None)))
+        if finished.failure is not None:
+            _fail(
+                trace,
+                outputs,
+                group,
+                finished.failure,
+                answered=finished.outcomes.keys(),
+                since_ns=finished.dispatch_ns,
+                timeout=timeout,
+            )
+        reports = [finished.outcomes[rank].report for rank in range(tp_size)]
+        ranks = [r for r in reports if r is not None]
+        warnings = mixed_method_warnings(ranks)
+        for warning in warnings:
+            log.warning("%s", warning)
+        metrics = startup_metrics(
+            ranks,
+            placement_seconds=placement_seconds,
+            actor_startup_seconds=_spawn_seconds(group),
+            model_role=model_role,
+        )
+        publish_ray_metrics(metrics)
+        files = outputs.write(trace.finish())
+    except BaseException:
+        _release(group, placement, started_ray)
+        raise
+    return LoadResult(
+        trace_id=trace.trace_id,
+        plan=plan,
+        ranks=ranks,
+        startup_metrics=metrics,
+        actors=list(group.actors),
+        warnings=warnings,
+        trace_files=files,
+        _group=group,
+        _placement=placement,
+        _started_ray=started_ray,
+    )
+
+
+@dataclass(frozen=True)
+class _TraceOutputs:
+    """Where a finished trace goes; used on success and on failure alike."""
+
+    trace_dir: str | os.PathLike[str] | None
+    otlp_endpoint: str | None
+
+    def prepare(self) -> None:
+        """Fail before the load, not after it, when the trace directory is unwritable."""
+        if self.trace_dir is not None:
+            prepare_trace_dir(os.fspath(self.trace_dir))
+
+    def write(self, spans: Sequence[Any]) -> dict[str, str]:
+        """Write the trace files (format -> path) and export over OTLP to the endpoint or
+        the ``OTEL_EXPORTER_OTLP_*`` variables; an export failure is only logged."""
+        files: dict[str, str] = {}
+        if self.trace_dir is not None:
+            written = write_trace_files(spans, os.fspath(self.trace_dir))
+            files = {fmt: str(path) for fmt, path in written.items()}
+        export_otlp(spans, self.otlp_endpoint, timeout_s=OTLP_TIMEOUT_S)
+        return files
+
+
+def _validate(
+    path: str | os.PathLike[str],
+    tp_size: int,
+    method: str | LoadMethod,
+    device: str,
+    strategy: str,
+    timeout: float,
+    model_role: str,
+) -> str:
+    """Check the arguments; return the checkpoint path made absolute (actors may run with
+    another working directory)."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ConfigError(f"tp_size must be an integer >= 1, got {tp_size!r}")
+    try:
+        LoadMethod(method)
+    except ValueError:
+        choices = ", ".join(m.value for m in LoadMethod)
+        raise ConfigError(f"unknown load method {method!r}; use one of: {choices}") from None
+    if device not in DEVICES:
+        raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    if strategy not in STRATEGIES:
+        raise ConfigError(
+            f"unknown placement strategy {strategy!r}; use one of: {', '.join(STRATEGIES)}"
+        )
+    if not timeout > 0:
+        raise ConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
+    if model_role not in ("main", "draft"):
+        raise ConfigError(f"model_role must be 'main' or 'draft', got {model_role!r}")
+    source = os.path.abspath(os.fspath(path))
+    if not os.path.exists(source):
+        raise CheckpointError(
+            f"{source}: no such checkpoint (expected a directory with model.safetensors, an "
+            "index or a rayload manifest, or a .safetensors file)",
+            file=source,
+        )
+    return source
+
+
+def _connect(address: str | None) -> bool:
+    """Make sure this process is connected to Ray; True when this call started it.
+
+    Ray's console noise stays off the driver (``log_to_driver=False``): a rank's errors
+    travel back in its outcome instead.
+    """
+    if ray.is_initialized():
+        return False
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    else:
+        ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
+    return True
+
+
+def _place(
+    trace: StartupTrace, tp_size: int, device: str, strategy: str, deadline: float
+) -> tuple[RankPlacement, float]:
+    """Reuse the caller's placement group or create one; record ``rayload.placement``."""
+    start = time.time_ns()
+    attributes: dict[str, Any] = {"tp_size": tp_size, "placement.strategy": strategy}
+    try:
+        placement = current_placement(tp_size, need_gpus=device == "cuda")
+        if placement is None:
+            cluster_gpus = ray.cluster_resources().get("GPU", 0.0)
+            if device == "cuda" and cluster_gpus < 1:
+                raise ConfigError("device='cuda' but the Ray cluster has no GPUs; use --device cpu")
+            placement = create_placement_group(
+                tp_size,
+                strategy=strategy,
+                use_gpus=device == "cuda" or (device == "auto" and cluster_gpus >= 1),
+                timeout_s=deadline - time.monotonic(),
+            )
+    except BaseException as exc:
+        trace.add_span("rayload.placement", start, time.time_ns(), attributes, str(exc))
+        raise
+    end = time.time_ns()
+    attributes["placement.strategy"] = placement.strategy
+    attributes["placement.reused"] = not placement.owned
+    attributes["placement.rank_bundle"] = str(dict(placement.bundles[placement.bundle_of(0)]))
+    trace.add_span("rayload.placement", start, end, attributes)
+    return placement, (end - start) / 1e9
+
+
+def _record_spawns(trace: StartupTrace, group: RankActorGroup) -> None:
+    """One ``rayload.spawn`` span per rank that came up."""
+    for rank, info in sorted(group.infos.items()):
+        start, end = group.spawn_interval(rank)
+        attributes: dict[str, Any] = {
+            "rank": rank,
+            "node_id": info.node_id,
+            "pid": info.pid,
+            "gpu_ids": ",".join(info.gpu_ids),
+        }
+        if info.process_start_ns is not None:
+            offset = group.clock_offsets.get(rank, (0, 0))[0]
+            attributes["process_age_ms"] = (start - (info.process_start_ns - offset)) / 1e6
+        trace.add_span("rayload.spawn", start, end, attributes)
+
+
+def _spawn_seconds(group: RankActorGroup) -> dict[int, float]:
+    return {
+        rank: (end - start) / 1e9
+        for rank in group.infos
+        for start, end in [group.spawn_interval(rank)]
+    }
+
+
+def _fail(
+    trace: StartupTrace,
+    outputs: _TraceOutputs,
+    group: RankActorGroup,
+    failure: RankFailure,
+    *,
+    answered: Collection[int],
+    since_ns: int,
+    timeout: float,
+) -> NoReturn:
+    """Stop every rank, give each rank that sent no spans a stand-in ERROR span, write the
+    trace, and raise the error naming the failed rank."""
+    now = time.time_ns()
+    for rank in range(group.tp_size):
+        if rank in answered:
+            continue
+        cause = failure.cause if rank == failure.rank else f"stopped: rank {failure.rank} failed"
+        trace.add_missing_rank(rank, group.node_id(rank), cause, since_ns, now)
+    group.kill()
+    error = failure_error(failure, timeout_s=timeout)
+    outputs.write(trace.finish(error=str(error)))
+    raise error
+
+
+def _release(
+    group: RankActorGroup | None, placement: RankPlacement | None, started_ray: bool
+) -> None:
+    if group is not None:
+        group.kill()
+    if placement is not None:
+        placement.remove()
+    if started_ray and ray.is_initialized():
+        ray.shutdown()
+
+
+def _notify(progress: ProgressCallback | None, event: LoadProgress) -> None:
+    if progress is not None:
+        progress(event)
+
+
+def _rank_notifier(
+    progress: ProgressCallback | None, tp_size: int
+) -> Callable[[RankOutcome], None] | None:
+    if progress is None:
+        return None
+    done = 0
+
+    def notify(outcome: RankOutcome) -> None:
+        nonlocal done
+        done += 1
+        report = outcome.report
+        assert report is not None
+        progress(
+            LoadProgress(
+                "rank_loaded",
+                tp_size,
+                rank=outcome.rank,
+                node_id=outcome.node_id,
+                bytes_read=report.bytes_read,
+                seconds=report.seconds,
+                method=report.method.effective.value,
+                done=done,
+            )
+        )
+
+    return notify
+
+
+__all__ = ["LoadResult", "RankState", "load"]
