@@ -126,3 +126,45 @@ def write_raw_safetensors() -> Callable[..., Path]:
         return Path(path)
 
     return write
+
+
+@pytest.fixture(scope="session")
+def make_converted() -> Callable[[Path, Path, int], Path]:
+    """``(src, out, tp) -> out``: a converted checkpoint of ``src`` for ``tp``, built by
+    hand (safetensors library + manifest) so tests do not depend on ``rayload convert``."""
+    from rayload.loading.manifest import Manifest, file_entry, rank_file_name, write_manifest
+    from rayload.loading.plan import plan_shards
+    from rayload.loading.rules import resolve_rules
+
+    def make(src: Path, out: Path, tp: int) -> Path:
+        plan = plan_shards(src, tp)
+        tensors = _all_tensors(src)
+        out.mkdir(parents=True)
+        ranks, files = {}, {}
+        for rank in range(tp):
+            shards = {
+                name: tensors[name]
+                if split is None
+                else torch.tensor_split(tensors[name], tp, dim=split)[rank].contiguous()
+                for name, split in plan.splits.items()
+            }
+            name = rank_file_name(rank, 0)
+            save_file(shards, str(out / name))
+            ranks[rank] = [name]
+            files[name] = file_entry(out / name)
+        config = json.loads((src / "config.json").read_text())
+        manifest = Manifest(
+            format_version=1,
+            tp_size=tp,
+            architecture=config["architectures"][0],
+            rules=[r.to_spec() for r in resolve_rules(None, config["architectures"][0]).rules],
+            ranks=ranks,
+            files=files,
+            splits=dict(plan.splits),
+            full_shapes={n: list(t.shape) for n, t in tensors.items()},
+        )
+        write_manifest(manifest, out)
+        (out / "config.json").write_text(json.dumps(config))
+        return out
+
+    return make

@@ -288,14 +288,15 @@ def inside_root(root: str, name: str, *, referrer: str) -> str:
     real = os.path.realpath(candidate)
     if os.path.isabs(name) or os.path.commonpath([real_root, real]) != real_root:
         raise CheckpointError(
-            f"{referrer}: names file {name!r}, which is outside the checkpoint directory "
-            f"{root}; refusing to read it: fix the index so it lists files in the directory",
+            f"{referrer}: names file {candidate} (resolving to {real}), which is outside "
+            f"the checkpoint directory {root}; refusing to read it: list only files inside "
+            f"the directory",
             file=candidate,
         )
     if not os.path.isfile(real):
         raise CheckpointError(
-            f"{referrer}: names file {name!r}, which does not exist in {root}; the download "
-            f"is incomplete: fetch the missing file",
+            f"{referrer}: names file {candidate}, which does not exist; the download is "
+            f"incomplete: fetch the missing file",
             file=candidate,
         )
     return os.path.abspath(candidate)
