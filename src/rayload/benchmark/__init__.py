@@ -9,6 +9,7 @@ inside each rank process. ``run_benchmark`` returns the result as a JSON-able di
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import subprocess
@@ -25,7 +26,7 @@ __all__ = ["BenchConfig", "run_benchmark", "write_report"]
 def run_benchmark(
     config: BenchConfig, *, progress: Callable[[str], None] = print
 ) -> dict[str, Any]:
-    """Prepare the checkpoint, run every case and return the result (see ``write_report``)."""
+    """Prepare the checkpoint, run every case and return the result as plain JSON types."""
     from rayload.benchmark import runner, summary
 
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -34,7 +35,7 @@ def run_benchmark(
     samples = runner.run_all(config, prep, progress)
     summaries = summary.summarize(samples, prep.checkpoint_bytes)
     tp = max(config.tp_sizes)
-    return {
+    result = {
         "schema": 1,
         "started": started,
         "config": config.to_dict(),
@@ -54,6 +55,7 @@ def run_benchmark(
         "targets": summary.to_jsonable(summary.targets(summaries, tp=tp)),
         "samples": [s.to_dict() for s in samples],
     }
+    return json.loads(json.dumps(result))  # plain JSON types: what write_report writes
 
 
 def write_report(result: dict[str, Any], out_dir: str | os.PathLike[str]) -> dict[str, Path]:

@@ -234,7 +234,7 @@ def run_case(
             tp_size=tp if case.per_rank else 1,
             checkpoint=prep.checkpoint,
             files=prep.files,
-            splits=prep.splits[tp],
+            splits=prep.splits[tp] if case.per_rank else {},
             converted=prep.converted.get(tp),
             device=config.device,
             verify=config.verify,

@@ -1,0 +1,116 @@
+"""The harness on a tiny checkpoint: structure and internal consistency of what it measured
+(no timing assertions)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from rayload.benchmark import BenchConfig
+from rayload.benchmark.cases import CASES
+
+
+def _samples(result: dict[str, Any], case: str) -> list[dict[str, Any]]:
+    return [s for s in result["samples"] if s["case"] == case]
+
+
+def test_every_runnable_case_ran_every_repetition_without_failure(
+    bench_result: dict[str, Any], bench_config: BenchConfig
+) -> None:
+    expected_skips = set() if torch.cuda.is_available() else {"fastsafetensors_gdr"}
+    assert set(bench_result["skipped"]) == expected_skips
+    ran = {s["case"] for s in bench_result["summary"]}
+    assert ran == set(CASES) - expected_skips
+    for s in bench_result["summary"]:
+        assert (s["runs"], s["failures"], s["error"]) == (bench_config.repeat, 0, None), s
+
+
+def test_cases_are_interleaved_by_repetition(bench_result: dict[str, Any]) -> None:
+    reps = [s["repetition"] for s in bench_result["samples"]]
+    assert reps == sorted(reps)
+    assert reps[0] == 0 and reps[-1] == 1
+
+
+def test_all_cases_hand_each_rank_identical_tensors(bench_result: dict[str, Any]) -> None:
+    assert bench_result["consistency"] == []
+    digests = {
+        (s["case"], r["rank"]): r["digest"]
+        for s in bench_result["samples"]
+        if s["case"] != "limit"
+        for r in s["ranks"]
+    }
+    assert all(digests.values())
+    assert len({d for (case, rank), d in digests.items() if rank == 0}) == 1
+    assert digests[("scratch", 0)] != digests[("scratch", 1)]
+
+
+def test_rank_shard_bytes_match_the_plan(bench_result: dict[str, Any]) -> None:
+    plan = bench_result["checkpoint"]["plan_rank_bytes"]["2"]
+    for s in bench_result["samples"]:
+        if s["case"] == "limit":
+            continue
+        assert [r["shard_bytes"] for r in s["ranks"]] == plan, s["case"]
+
+
+def test_cold_cases_start_uncached_and_warm_cases_cached(bench_result: dict[str, Any]) -> None:
+    for s in bench_result["samples"]:
+        assert s["cached_before"] == (0.0 if s["cache"] == "cold" else 1.0), s["case"]
+
+
+def test_limit_reads_every_checkpoint_byte_once(bench_result: dict[str, Any]) -> None:
+    ckpt = bench_result["checkpoint"]
+    assert ckpt["bytes"] == sum(os.path.getsize(f) for f in ckpt["files"])
+    for s in _samples(bench_result, "limit"):
+        (rank,) = s["ranks"]
+        # rchar also counts the few hundred bytes of reading /proc/self/io itself
+        assert ckpt["bytes"] <= rank["rchar_bytes"] < ckpt["bytes"] + 16_384
+        assert rank["mapped_bytes"] == 0
+
+
+def test_bytes_read_cover_what_each_reader_must_read(bench_result: dict[str, Any]) -> None:
+    ckpt_bytes = bench_result["checkpoint"]["bytes"]
+    for s in bench_result["samples"]:
+        for r in s["ranks"]:
+            assert r["bytes_read"] >= r["shard_bytes"], (s["case"], r)
+    for case in ("safe_open_slice", "load_file_slice"):
+        for s in _samples(bench_result, case):
+            assert all(r["mapped_bytes"] > 0 for r in s["ranks"]), case
+    for s in _samples(bench_result, "fastsafetensors_whole"):
+        assert all(r["rchar_bytes"] >= ckpt_bytes * 0.99 for r in s["ranks"])
+
+
+def test_peak_rss_covers_the_resident_shard(bench_result: dict[str, Any]) -> None:
+    for s in bench_result["samples"]:
+        for r in s["ranks"]:
+            assert r["rss_peak_delta"] >= r["shard_bytes"] - 4096, (s["case"], r)
+    assert bench_result["baseline_rss"] > 50 << 20  # python + torch
+
+
+def test_rayload_cases_report_the_method_that_ran(bench_result: dict[str, Any]) -> None:
+    for s in bench_result["summary"]:
+        if CASES[s["case"]].kind == "rayload":
+            assert s["effective"] == [s["case"]]
+        else:
+            assert s["effective"] == []
+
+
+def test_ratios_refer_to_the_limit_and_peers_of_the_same_cache(
+    bench_result: dict[str, Any],
+) -> None:
+    by = {(s["case"], s["tp_size"], s["cache"]): s for s in bench_result["summary"]}
+    for (case, tp, cache), s in by.items():
+        limit = by[("limit", 1, cache)]
+        assert abs(s["x_limit"] - s["wall_s"] / limit["wall_s"]) < 1e-9
+        if case not in ("safe_open_slice", "limit"):
+            peer = by[("safe_open_slice", tp, cache)]
+            assert abs(s["speedup"]["safe_open_slice"] - peer["wall_s"] / s["wall_s"]) < 1e-9
+        assert s["wall_s_min"] <= s["wall_s"] <= s["wall_s_max"]
+
+
+def test_targets_are_evaluated_for_the_largest_tp(bench_result: dict[str, Any]) -> None:
+    names = {t["name"]: t for t in bench_result["targets"]}
+    assert names["scratch cold vs limit"]["met"] in (True, False)
+    assert names["converted warm peak RSS per rank"]["met"] in (True, False)
+    assert all(t["measured"] != "not measured" for t in names.values())
