@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from rayload.errors import CheckpointError, ConfigError, ShardingError
 from rayload.loading.checkpoint import Checkpoint, TensorInfo, open_checkpoint, shard_shape
-from rayload.loading.dtypes import DTYPES
+from rayload.loading.dtypes import ITEMSIZE
 from rayload.loading.rules import RulesArg, RuleSet, resolve_rules
 
 
@@ -196,7 +196,7 @@ def _plan_converted(checkpoint: Checkpoint, tp_size: int, rules: RulesArg) -> Sh
         )
         ranks.append(RankPlan(rank, tp_size, shards))
     full_bytes = sum(
-        math.prod(manifest.full_shapes[t.name]) * DTYPES[t.dtype][1]
+        math.prod(manifest.full_shapes[t.name]) * ITEMSIZE[t.dtype]
         for t in checkpoint.rank_tensors(0).values()
     )
     return ShardPlan(
@@ -237,7 +237,7 @@ def _check_splittable(info: TensorInfo, split: int | None, tp_size: int) -> None
 
 def _shard(info: TensorInfo, split: int | None, rank: int, tp_size: int) -> TensorShard:
     """Rank ``rank``'s shard of ``info`` (splittability already checked)."""
-    itemsize = DTYPES[info.dtype][1]
+    itemsize = ITEMSIZE[info.dtype]
     shape = shard_shape(info.shape, split, tp_size)
     if split is None:
         ranges: tuple[ByteRange, ...] = (ByteRange(info.file, info.start, info.nbytes),)

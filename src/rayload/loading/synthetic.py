@@ -25,7 +25,7 @@ import numpy as np
 
 from rayload.errors import ConfigError
 from rayload.loading.checkpoint import CONFIG_NAME, INDEX_NAME
-from rayload.loading.dtypes import DTYPES
+from rayload.loading.dtypes import ITEMSIZE
 
 GB = 1_000_000_000
 FILE_TARGET_BYTES = 256 * 1024 * 1024
@@ -123,7 +123,7 @@ def preset_shape(preset: str, *, size_gb: float | None = None, dtype: str = "bf1
         return shape
     if not size_gb > 0:
         raise ConfigError(f"size_gb must be positive, got {size_gb}")
-    itemsize = DTYPES[_st_dtype(dtype)][1]
+    itemsize = ITEMSIZE[_st_dtype(dtype)]
     base = replace(shape, num_hidden_layers=0)
     fixed = sum(math.prod(s) for _, s in base.tensors()) * itemsize
     per_layer = sum(math.prod(s) for _, s in replace(shape, num_hidden_layers=1).tensors())
@@ -149,7 +149,7 @@ def write_checkpoint(
     """
     st_dtype = _st_dtype(dtype)
     shape = preset_shape(preset, size_gb=size_gb, dtype=dtype)
-    itemsize = DTYPES[st_dtype][1]
+    itemsize = ITEMSIZE[st_dtype]
     tensors = [(name, dims, math.prod(dims) * itemsize) for name, dims in shape.tensors()]
     total = sum(nbytes for _, _, nbytes in tensors)
     if num_files is None:
