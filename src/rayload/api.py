@@ -25,8 +25,8 @@ from typing import Any, NoReturn
 
 import ray
 
-from rayload.actors.faults import fault_from_env
 from rayload.actors.group import RankActorGroup, RankFailure, failure_error
+from rayload.actors.hooks import hooks_from_env
 from rayload.actors.records import LoadRequest, RankOutcome, RankState
 from rayload.errors import CheckpointError, ConfigError, RankFailedError
 from rayload.loading.checkpoint import open_checkpoint
@@ -60,6 +60,8 @@ class LoadResult:
 
     A context manager: leaving it (or :meth:`close`) stops the actors, removes the
     placement group rayload created, and shuts Ray down if :func:`load` started it.
+    ``placement`` says where the ranks run (group, bundles, strategy, node per rank);
+    ``warnings`` lists what the ranks disagreed on (methods, devices, fallbacks).
     """
 
     trace_id: str
@@ -67,10 +69,10 @@ class LoadResult:
     ranks: list[RankReport]
     startup_metrics: dict[str, Any]
     actors: list[Any]
+    placement: RankPlacement
     warnings: list[str] = field(default_factory=list)
     trace_files: dict[str, str] = field(default_factory=dict)
     _group: RankActorGroup | None = field(default=None, repr=False)
-    _placement: RankPlacement | None = field(default=None, repr=False)
     _started_ray: bool = field(default=False, repr=False)
 
     @property
@@ -94,8 +96,8 @@ class LoadResult:
     def close(self) -> None:
         """Stop the actors and release the placement group (and Ray, if load started it).
         Idempotent."""
-        _release(self._group, self._placement, self._started_ray)
-        self._group, self._placement, self._started_ray = None, None, False
+        _release(self._group, self.placement, self._started_ray)
+        self._group, self._started_ray = None, False
         self.actors = []
 
     def __enter__(self) -> LoadResult:
@@ -155,7 +157,7 @@ def load(
     plan = plan_shards(open_checkpoint(source), tp_size, rules=rules)
     outputs = _TraceOutputs(trace_dir, otlp_endpoint)
     outputs.prepare()
-    fault = fault_from_env()
+    hooks = hooks_from_env()
     deadline = time.monotonic() + timeout
     started_ray = _connect(address)
     trace = StartupTrace(tp_size=tp_size, model_role=model_role)
@@ -164,7 +166,7 @@ def load(
     try:
         placement, placement_seconds = _place(trace, tp_size, device, placement_strategy, deadline)
         _notify(progress, LoadProgress("placed", tp_size))
-        group = RankActorGroup(placement, want_gpu=device != "cpu", fault=fault)
+        group = RankActorGroup(placement, want_gpu=device != "cpu", hooks=hooks)
         spawned = time.time_ns()
         failure = group.spawn(deadline=deadline)
         if failure is None:
@@ -222,8 +224,8 @@ def load(
         actors=list(group.actors),
         warnings=warnings,
         trace_files=files,
+        placement=placement,
         _group=group,
-        _placement=placement,
         _started_ray=started_ray,
     )
 
@@ -292,15 +294,22 @@ def _validate(
 def _connect(address: str | None) -> bool:
     """Make sure this process is connected to Ray; True when this call started it.
 
-    Ray's console noise stays off the driver (``log_to_driver=False``): a rank's errors
-    travel back in its outcome instead.
+    ``address`` None follows Ray's own rules (``RAY_ADDRESS``, then a ``ray start`` cluster
+    on this machine, else a new local Ray); ``"local"`` always starts a new one. Ray's
+    console noise stays off the driver (``log_to_driver=False``): a rank's errors travel
+    back in its outcome instead.
     """
     if ray.is_initialized():
         return False
-    if address is None and not os.environ.get("RAY_ADDRESS"):
-        ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
-    else:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
+    try:
+        ray.init(
+            address=address,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+        )
+    except (ConnectionError, ValueError) as exc:
+        raise ConfigError(f"cannot connect to Ray at {address!r}: {exc}") from exc
     return True
 
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import ray
 from ray.exceptions import RayActorError, RayError
 
-from rayload.actors.faults import FaultInjection
+from rayload.actors.hooks import TestHooks
 from rayload.actors.rank_actor import RankActor
 from rayload.actors.records import ActorInfo, LoadRequest, RankOutcome
 from rayload.errors import InputError, RankFailedError, RankTimeoutError, RayloadError
@@ -66,14 +66,12 @@ class GroupLoad:
 class RankActorGroup:
     """The rank actors of one load, one per bundle of ``placement``.
 
-    ``clock_skews_ns`` and ``fault`` are TEST HOOKS passed to the actors (see
-    :class:`~rayload.actors.rank_actor.RankActor`).
+    ``hooks`` are TEST HOOKS handed to the actors (see :mod:`rayload.actors.hooks`).
     """
 
     placement: RankPlacement
     want_gpu: bool
-    fault: FaultInjection | None = None
-    clock_skews_ns: Mapping[int, int] = field(default_factory=dict)
+    hooks: TestHooks = field(default_factory=TestHooks)
     actors: list[Any] = field(default_factory=list)
     infos: dict[int, ActorInfo] = field(default_factory=dict)
     spawn_start_ns: dict[int, int] = field(default_factory=dict)
@@ -108,8 +106,8 @@ class RankActorGroup:
                 max_task_retries=0,
             ).remote(
                 rank,
-                clock_skew_ns=self.clock_skews_ns.get(rank, 0),
-                fault=self.fault if self.fault is not None and self.fault.rank == rank else None,
+                clock_skew_ns=self.hooks.clock_skew_ns.get(rank, 0),
+                fault=self.hooks.fault_for(rank),
             )
             self.actors.append(actor)
             waiting[actor.ready.remote()] = rank

@@ -1,15 +1,21 @@
-"""TEST HOOKS: make one rank fail on purpose, so the failure paths run on a real cluster.
+"""TEST HOOKS: make a rank fail on purpose, or its clock run ahead, so the failure paths and
+the clock-offset correction run on a real cluster.
 
-Never set in production. The driver reads ``RAYLOAD_TEST_FAULT`` (a JSON object, e.g.
-``{"rank": 1, "phase": "rank.plan", "action": "exit"}``) and hands the fault to that rank's
-actor, which triggers it when the named phase starts:
+Never set in production. The driver reads ``RAYLOAD_TEST_HOOKS``, a JSON object such as
+``{"fault": {"rank": 1, "phase": "rank.plan", "action": "exit"}, "clock_skew_ns": {"1": 5e9}}``,
+and hands each rank actor its part. ``clock_skew_ns`` shifts every time that rank reports.
+A fault triggers when the named phase starts:
 
 * ``raise``: the phase raises ``RuntimeError`` (a rank that fails)
 * ``exit``: the actor process exits at once with ``os._exit(1)`` (a rank that dies, as
   under the OOM killer)
+* ``ray_kill``: the actor is killed with ``ray.kill`` (as by an operator or a controller)
 * ``hang``: the phase sleeps ``seconds`` (a rank that hangs past the timeout)
 
-The env var is read in the driver, not in the actors, so it works for the CLI and the
+Besides the load phases (``rank.resolve`` ... ``rank.post_load``), ``phase`` may be
+``actor.init``: the fault then fires in the actor's ``__init__`` (a rank that never starts).
+
+The variable is read in the driver, not in the actors, so it works for the CLI and the
 Python API alike and no worker environment has to be prepared.
 """
 
@@ -27,7 +33,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from rayload.errors import ConfigError
 from rayload.loading.report import PhaseTimer
 
-FAULT_ENV = "RAYLOAD_TEST_FAULT"
+HOOKS_ENV = "RAYLOAD_TEST_HOOKS"
+
+INIT_PHASE = "actor.init"
+"""The pseudo-phase of a fault that fires in the rank actor's ``__init__``."""
 
 
 class FaultInjection(BaseModel):
@@ -37,26 +46,43 @@ class FaultInjection(BaseModel):
 
     rank: int
     phase: str = "rank.plan"
-    action: Literal["raise", "exit", "hang"] = "raise"
+    action: Literal["raise", "exit", "ray_kill", "hang"] = "raise"
     seconds: float = 3600.0
 
     def trigger(self) -> None:
         if self.action == "raise":
-            raise RuntimeError(f"injected fault in {self.phase} ({FAULT_ENV})")
+            raise RuntimeError(f"injected fault in {self.phase} ({HOOKS_ENV})")
         if self.action == "exit":
             os._exit(1)
+        if self.action == "ray_kill":
+            import ray
+
+            ray.kill(ray.get_runtime_context().current_actor)  # lands during the sleep
         time.sleep(self.seconds)
 
 
-def fault_from_env(environ: Mapping[str, str] = os.environ) -> FaultInjection | None:
-    """The fault ``RAYLOAD_TEST_FAULT`` asks for, or None when it is unset or empty."""
-    raw = environ.get(FAULT_ENV, "").strip()
+class TestHooks(BaseModel):
+    """Everything ``RAYLOAD_TEST_HOOKS`` can ask for; the default asks for nothing."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    __test__ = False  # not a pytest test class
+
+    fault: FaultInjection | None = None
+    clock_skew_ns: dict[int, int] = {}
+
+    def fault_for(self, rank: int) -> FaultInjection | None:
+        return self.fault if self.fault is not None and self.fault.rank == rank else None
+
+
+def hooks_from_env(environ: Mapping[str, str] = os.environ) -> TestHooks:
+    """The hooks ``RAYLOAD_TEST_HOOKS`` asks for (none when it is unset or empty)."""
+    raw = environ.get(HOOKS_ENV, "").strip()
     if not raw:
-        return None
+        return TestHooks()
     try:
-        return FaultInjection.model_validate(json.loads(raw))
+        return TestHooks.model_validate(json.loads(raw))
     except (json.JSONDecodeError, ValidationError) as exc:
-        raise ConfigError(f"{FAULT_ENV} is not a valid fault: {exc}") from exc
+        raise ConfigError(f"{HOOKS_ENV} is not valid: {exc}") from exc
 
 
 class FaultyTimer(PhaseTimer):

@@ -22,7 +22,7 @@ from typing import Any
 import ray
 
 from rayload.actors.device import resolve_device
-from rayload.actors.faults import FaultInjection, FaultyTimer
+from rayload.actors.hooks import INIT_PHASE, FaultInjection, FaultyTimer
 from rayload.actors.records import ActorInfo, LoadRequest, RankError, RankOutcome, RankState
 from rayload.loading import load_rank
 from rayload.loading.report import PhaseTimer, RankReport
@@ -36,7 +36,7 @@ class RankActor:
 
     ``clock_skew_ns`` and ``fault`` are TEST HOOKS: the first shifts every time the actor
     reports (phases, spans, :meth:`clock`) to model another node's clock; the second makes
-    this rank fail on purpose (see :mod:`rayload.actors.faults`).
+    this rank fail on purpose (see :mod:`rayload.actors.hooks`).
     """
 
     def __init__(
@@ -44,6 +44,8 @@ class RankActor:
     ) -> None:
         self._skew_ns = clock_skew_ns
         init_start_ns = self.clock()
+        if fault is not None and fault.phase == INIT_PHASE:
+            fault.trigger()
         self._rank = rank
         self._fault = fault
         self._tensors: dict[str, Any] = {}
