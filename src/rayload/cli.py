@@ -82,11 +82,59 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _cmd_load(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    import json
+
+    from rayload.api import load
+    from rayload.progress import LineProgress, load_json, load_summary
+
+    with load(
+        args.dir,
+        args.tp,
+        method=args.method,
+        device=args.device,
+        strict=args.strict_method,
+        address=args.address,
+        placement_strategy=args.placement_strategy,
+        trace_dir=args.trace_dir,
+        otlp_endpoint=args.otlp_endpoint,
+        timeout=args.timeout,
+        progress=None if args.json else LineProgress(),
+    ) as result:
+        print(json.dumps(load_json(result)) if args.json else load_summary(result))
+    return 0
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    import os
+    import tempfile
+    from pathlib import Path
+
+    import ray
+
+    from rayload.api import load
+    from rayload.loading.describe import human_bytes
+    from rayload.loading.synthetic import write_checkpoint
+    from rayload.progress import LineProgress, load_summary
+
+    trace_dir = os.path.abspath(args.trace_dir)
+    with tempfile.TemporaryDirectory(prefix="rayload-demo-") as tmp:
+        path = write_checkpoint(Path(tmp) / "tiny-llama", preset="tiny-llama")
+        size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        print(f"rayload demo: tiny Llama checkpoint ({human_bytes(size)}) in {path}")
+        print(f"rayload demo: loading it with TP={args.tp} on a local Ray ...", flush=True)
+        # A fresh local Ray unless this process already has one: the checkpoint lives in a
+        # local temp dir that the nodes of some other cluster could not read.
+        address = None if ray.is_initialized() else "local"
+        with load(
+            path, args.tp, address=address, trace_dir=trace_dir, progress=LineProgress()
+        ) as result:
+            print(load_summary(result))
+    print(
+        f"rayload demo: traces in {trace_dir}: open trace.html in a browser, load "
+        "trace.chrome.json in https://ui.perfetto.dev or trace.jaeger.json in Jaeger's "
+        "'JSON File' upload"
+    )
+    return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -9,9 +9,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, TextIO
+from typing import TYPE_CHECKING, Any, Literal, TextIO
 
+from rayload.loading.describe import human_bytes
 from rayload.loading.report import RankReport
+
+if TYPE_CHECKING:
+    from rayload.api import LoadResult
 
 Stage = Literal["placed", "spawned", "rank_loaded"]
 
@@ -43,7 +47,7 @@ class LineProgress:
             line = f"{event.tp_size} rank actor(s) started, loading"
         else:
             line = (
-                f"rank {event.rank} loaded {format_bytes(event.bytes_read)} in "
+                f"rank {event.rank} loaded {human_bytes(event.bytes_read)} in "
                 f"{event.seconds:.2f} s with {event.method} on node {short_node(event.node_id)}"
                 f" [{event.done}/{event.tp_size}]"
             )
@@ -97,7 +101,7 @@ def format_rank_table(reports: Sequence[RankReport]) -> str:
                 r.method.selected.value,
                 r.method.effective.value,
                 r.method.fallback_reason or "-",
-                format_bytes(r.bytes_read),
+                human_bytes(r.bytes_read),
                 f"{r.seconds:.3f}",
             ]
         )
@@ -108,13 +112,30 @@ def format_rank_table(reports: Sequence[RankReport]) -> str:
     )
 
 
-def format_bytes(count: int) -> str:
-    size = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
+def load_json(result: LoadResult) -> dict[str, Any]:
+    """The one object ``rayload load --json`` prints (DESIGN.md "Command line"), plus
+    ``warnings`` (what the ranks disagreed on; empty when nothing)."""
+    return {
+        "trace_id": result.trace_id,
+        "tp_size": result.tp_size,
+        "startup_metrics": result.startup_metrics,
+        "ranks": [report.to_dict() for report in result.ranks],
+        "warnings": list(result.warnings),
+    }
+
+
+def load_summary(result: LoadResult) -> str:
+    """What ``rayload load`` prints: the per-rank table, warnings, the metrics table, the
+    trace id and where the trace files are."""
+    from rayload.tracing import format_metrics_table
+
+    lines = [format_rank_table(result.ranks), ""]
+    lines += [f"WARNING: {warning}" for warning in result.warnings]
+    lines += [format_metrics_table(result.startup_metrics), f"trace id {result.trace_id}"]
+    if result.trace_files:
+        lines.append("trace files:")
+        lines += [f"  {fmt:7} {path}" for fmt, path in sorted(result.trace_files.items())]
+    return "\n".join(lines)
 
 
 def short_node(node_id: str | None) -> str:
