@@ -30,7 +30,7 @@ TEMPLATE = r"""<!DOCTYPE html>
   .chart { border-top: 1px solid var(--rule); }
   .axis { display: flex; height: 24px; border-bottom: 1px solid var(--rule); }
   .axis-label { width: var(--label-w); flex: none; }
-  .axis-track { position: relative; flex: 1; }
+  .axis-track { position: relative; flex: 1; margin-right: 36px; }
   .tick { position: absolute; bottom: 3px; transform: translateX(-50%); color: var(--muted);
           font-size: 11px; white-space: nowrap; }
   .lane { display: flex; border-bottom: 1px solid var(--rule); }
@@ -43,7 +43,7 @@ TEMPLATE = r"""<!DOCTYPE html>
   .slowest-marker { background: #f59e0b; color: #fff; }
   .fallback-marker { color: var(--warn); background: #fef3c7; }
   .error-marker { color: #fff; background: var(--err); }
-  .lane-track { position: relative; flex: 1; margin: 4px 0; }
+  .lane-track { position: relative; flex: 1; margin: 4px 36px 4px 0; }
   .gridline { position: absolute; top: 0; bottom: 0; width: 0;
               border-left: 1px dotted var(--rule); }
   .bar { position: absolute; height: calc(var(--row-h) - 3px); border-radius: 2px; min-width: 1px;
@@ -116,6 +116,10 @@ TEMPLATE = r"""<!DOCTYPE html>
     for (const m of [1, 2, 5, 10]) if (raw <= m * mag) return m * mag;
     return 10 * mag;
   })();
+  const inSeconds = span >= 2000;
+  const decimals = Math.max(0, -Math.floor(Math.log10((inSeconds ? step / 1000 : step) + 1e-12)));
+  const tickLabel = (t) => t === 0 ? "0" : inSeconds
+    ? (t / 1000).toFixed(decimals) + " s" : t.toFixed(decimals) + " ms";
   const ticks = [];
   for (let t = 0; t <= span + 1e-9; t += step) ticks.push(t);
 
@@ -123,7 +127,7 @@ TEMPLATE = r"""<!DOCTYPE html>
   const axis = el("div", "axis");
   const axisTrack = el("div", "axis-track");
   for (const t of ticks) {
-    const tick = el("span", "tick", t === 0 ? "0" : fmt(t));
+    const tick = el("span", "tick", tickLabel(t));
     tick.style.left = pct(t);
     axisTrack.append(tick);
   }
@@ -187,6 +191,9 @@ TEMPLATE = r"""<!DOCTYPE html>
     }
     row.append(label, track);
     chart.append(row);
+  }
+  for (const bar of document.querySelectorAll(".bar")) {
+    if (bar.offsetWidth < 34) bar.textContent = "";
   }
   document.getElementById("footer").textContent =
     "Times are on the driver's clock (rank clocks corrected by the measured offset). " +

@@ -1,9 +1,12 @@
 """The timeline view shared by the Chrome trace and the HTML page: spans grouped into
 processes (the driver, each rank) and placed on lanes where concurrent spans nest.
 
-A lane is a stack: a span goes on the first lane whose open spans all either ended
-before it starts or fully contain it, so spans on one lane never partially overlap
-(what Chrome's trace format requires of one thread) and ``depth`` is its nesting level.
+A lane is a stack of open spans: a span goes on the first lane where, once the spans
+that ended before it starts are closed, nothing is open or the innermost open span is
+one of its ancestors and contains it. So spans on one lane never partially overlap (what
+Chrome's trace format requires of one thread), a span is drawn under its parent only,
+never under an unrelated span that happens to contain it (concurrent ``rayload.spawn``
+spans get a lane each), and ``depth`` is its nesting level on the lane.
 """
 
 from __future__ import annotations
@@ -68,24 +71,48 @@ def group_processes(spans: Sequence[ReadableSpan]) -> list[Process]:
 
 
 def place_on_lanes(spans: Sequence[ReadableSpan]) -> list[Placed]:
-    """Every span placed on the first lane where it nests; in start order."""
-    ordered = sorted(spans, key=lambda s: (s.start_time or 0, -(s.end_time or 0)))
-    lanes: list[list[int]] = []  # per lane, end times of the open (enclosing) spans
+    """Every span placed on the first lane where it nests under an ancestor; in start order."""
+    parents = {
+        s.context.span_id: s.parent.span_id for s in spans if s.context and s.parent is not None
+    }
+    ancestors = {
+        s.context.span_id: _ancestors(s.context.span_id, parents) for s in spans if s.context
+    }
+
+    def order(span: ReadableSpan) -> tuple[int, int, int, int]:
+        # Parents before their children; siblings starting together by rank, then longest.
+        depth = len(ancestors.get(span.context.span_id, ())) if span.context else 0
+        rank = (span.attributes or {}).get(schema.RANK, -1)
+        return span.start_time or 0, depth, int(rank), -(span.end_time or 0)  # type: ignore[arg-type]
+
+    ordered = sorted(spans, key=order)
+    lanes: list[list[tuple[int, int]]] = []  # per lane, (end, span id) of the open spans
     placed: list[Placed] = []
     for span in ordered:
         start = span.start_time or 0
         end = span.end_time or start
-        for index, open_ends in enumerate(lanes):
-            while open_ends and open_ends[-1] <= start:
-                open_ends.pop()
-            if not open_ends or end <= open_ends[-1]:
-                placed.append(Placed(span, index, len(open_ends)))
-                open_ends.append(end)
+        span_id = span.context.span_id if span.context else 0
+        for index, open_spans in enumerate(lanes):
+            while open_spans and open_spans[-1][0] <= start:
+                open_spans.pop()
+            if not open_spans or (
+                end <= open_spans[-1][0] and open_spans[-1][1] in ancestors.get(span_id, ())
+            ):
+                placed.append(Placed(span, index, len(open_spans)))
+                open_spans.append((end, span_id))
                 break
         else:
-            lanes.append([end])
+            lanes.append([(end, span_id)])
             placed.append(Placed(span, len(lanes) - 1, 0))
     return placed
+
+
+def _ancestors(span_id: int, parents: dict[int, int]) -> set[int]:
+    found: set[int] = set()
+    while span_id in parents and parents[span_id] not in found:
+        span_id = parents[span_id]
+        found.add(span_id)
+    return found
 
 
 def _process_key(span: ReadableSpan) -> Hashable:
