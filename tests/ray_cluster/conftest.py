@@ -9,11 +9,14 @@ Tests that need their own cluster (several nodes, ``ray start``) run it in a sub
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -78,3 +81,57 @@ def no_leaks(ray_cluster: None) -> Iterator[ClusterState]:
         after = ClusterState.now()
     assert after.actors <= before.actors, f"leaked actors: {after.actors - before.actors}"
     assert after.groups <= before.groups, f"leaked placement groups: {after.groups - before.groups}"
+
+
+@dataclass(frozen=True)
+class SpanView:
+    """One span of a written ``trace.otlp.json``, flattened for assertions."""
+
+    name: str
+    rank: int | None
+    error: bool
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any]
+
+
+def _otlp_value(value: dict[str, Any]) -> Any:
+    (kind, raw), *_ = value.items()
+    return int(raw) if kind == "intValue" else raw
+
+
+def read_trace(trace_dir: Path) -> list[SpanView]:
+    """Every span of ``trace_dir/trace.otlp.json`` (OTLP JSON as rayload writes it)."""
+    data = json.loads((trace_dir / "trace.otlp.json").read_text())
+    views = []
+    for resource_spans in data["resourceSpans"]:
+        for scope in resource_spans["scopeSpans"]:
+            for span in scope["spans"]:
+                attrs = {a["key"]: _otlp_value(a["value"]) for a in span.get("attributes", [])}
+                views.append(
+                    SpanView(
+                        name=span["name"],
+                        rank=attrs.get("rayload.rank"),
+                        error=span.get("status", {}).get("code") == 2,
+                        start_ns=int(span["startTimeUnixNano"]),
+                        end_ns=int(span["endTimeUnixNano"]),
+                        attributes=attrs,
+                    )
+                )
+    return views
+
+
+@pytest.fixture
+def trace_reader() -> Callable[[Path], list[SpanView]]:
+    return read_trace
+
+
+@pytest.fixture
+def set_test_hooks(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """``set_test_hooks(fault={...}, clock_skew_ns={...})`` sets ``RAYLOAD_TEST_HOOKS`` for
+    the loads of this test (see rayload.actors.hooks)."""
+
+    def set_hooks(**hooks: Any) -> None:
+        monkeypatch.setenv("RAYLOAD_TEST_HOOKS", json.dumps(hooks))
+
+    return set_hooks
