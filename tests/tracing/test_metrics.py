@@ -188,3 +188,56 @@ def test_publish_ray_metrics_without_ray_is_a_logged_no_op(
     with caplog.at_level(logging.DEBUG, logger="rayload.tracing.metrics"):
         publish_ray_metrics(_metrics())
     assert "not initialized" in caplog.text
+
+
+@pytest.mark.slow
+def test_publish_ray_metrics_reach_ray_prometheus_endpoint() -> None:
+    """A real local Ray: every per-rank figure appears on the node's metrics endpoint."""
+    ray = pytest.importorskip("ray")
+    own_cluster = not ray.is_initialized()
+    if own_cluster:
+        ray.init(
+            num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR
+        )
+    try:
+        publish_ray_metrics(_metrics())
+        port = ray._private.worker.global_worker.node.metrics_export_port
+        # 2 ranks x (7 per-rank keys + 6 phases) + placement once
+        series = _scrape_rayload_series(port, expected=2 * (len(KEYS) - 1 + 6) + 1)
+    finally:
+        if own_cluster:
+            ray.shutdown()
+    assert any(
+        line.startswith("ray_rayload_total_model_loading_seconds{")
+        and 'rank="1"' in line
+        and 'method="fastsafetensors"' in line
+        and line.endswith(" 8.0")
+        for line in series
+    )
+    assert any('phase="rank.read"' in line and 'rank="0"' in line for line in series)
+    assert any(
+        line.startswith("ray_rayload_placement_seconds{") and 'rank="driver"' in line
+        for line in series
+    )
+
+
+def _scrape_rayload_series(port: int, *, expected: int, timeout_s: float = 60.0) -> list[str]:
+    """The ``ray_rayload_*`` sample lines once at least ``expected`` are exported (Ray
+    exports recorded metrics every few seconds)."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    lines: list[str] = []
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+                body = reply.read().decode()
+        except urllib.error.URLError:
+            body = ""
+        lines = [line for line in body.splitlines() if line.startswith("ray_rayload_")]
+        if len(lines) >= expected:
+            return lines
+        time.sleep(1.0)
+    return lines
