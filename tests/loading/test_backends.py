@@ -226,6 +226,34 @@ def test_plan_reads_splits_a_large_segment_into_chunks_with_right_targets() -> N
     assert all(r.segments[0].target == 3 for r in reads)
 
 
+def test_shard_segments_turns_split1_rows_into_one_strided_segment() -> None:
+    rows = tuple(ByteRange("f", 100 + i * 48 + 24, 24) for i in range(8))
+    shard = TensorShard("m", "F32", (8, 12), (8, 6), 1, rows)
+    [seg] = shard_segments([shard])
+    assert (seg.offset, seg.length, seg.row, seg.stride) == (124, 192, 24, 48)
+
+
+def test_shard_segments_keeps_irregular_ranges_apart() -> None:
+    ranges = (ByteRange("f", 0, 8), ByteRange("f", 16, 8), ByteRange("f", 40, 8))
+    shard = TensorShard("x", "U8", (24,), (24,), None, ranges)
+    segs = shard_segments([shard])
+    assert [(s.offset, s.length, s.target_offset, s.row) for s in segs] == [
+        (0, 16, 0, 8),  # two rows 16 apart
+        (40, 8, 16, 0),
+    ]
+
+
+def test_plan_reads_splits_strided_rows_on_row_boundaries() -> None:
+    seg = Segment("f", 0, 10 * 1000, 0, 0, "m", row=1000, stride=4000)
+    reads = plan_reads([seg], 4096)
+    assert [(r.offset, r.length, r.row) for r in reads] == [
+        (0, 4000, 1000),
+        (16000, 4000, 1000),
+        (32000, 2000, 1000),
+    ]
+    assert [r.segments[0].target_offset for r in reads] == [0, 4000, 8000]
+
+
 def test_plan_reads_drops_empty_segments() -> None:
     assert plan_reads([Segment("f", 0, 0, 0, 0, "empty")], 4096) == []
 

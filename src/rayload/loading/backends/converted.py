@@ -107,10 +107,10 @@ def _gap_segments(
     for file, entry in entries.items():
         pos = 0
         for seg in sorted((s for s in segments if s.file == file), key=lambda s: s.offset):
-            if seg.offset < pos:
+            if seg.row or seg.offset < pos:
                 raise CheckpointError(
-                    f"{file}: tensor {seg.tensor!r} overlaps the bytes before it; "
-                    "re-run `rayload convert`",
+                    f"{file}: tensor {seg.tensor!r} is not stored contiguously after the "
+                    "bytes before it; re-run `rayload convert`",
                     file=file,
                     tensor=seg.tensor,
                 )
