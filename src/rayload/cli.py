@@ -82,25 +82,32 @@ def _cmd_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _cmd_load(args: argparse.Namespace) -> int:
+    import contextlib
     import json
 
     from rayload.api import load
     from rayload.progress import LineProgress, load_json, load_summary
 
-    with load(
-        args.dir,
-        args.tp,
-        method=args.method,
-        device=args.device,
-        strict=args.strict_method,
-        address=args.address,
-        placement_strategy=args.placement_strategy,
-        trace_dir=args.trace_dir,
-        otlp_endpoint=args.otlp_endpoint,
-        timeout=args.timeout,
-        progress=None if args.json else LineProgress(),
-    ) as result:
-        print(json.dumps(load_json(result)) if args.json else load_summary(result))
+    # Ray's driver prints worker-death notices to stdout; while Ray runs, stdout is sent to
+    # stderr so stdout carries only rayload's own output (one JSON object with --json).
+    stdout = sys.stdout
+    with (
+        contextlib.redirect_stdout(sys.stderr),
+        load(
+            args.dir,
+            args.tp,
+            method=args.method,
+            device=args.device,
+            strict=args.strict_method,
+            address=args.address,
+            placement_strategy=args.placement_strategy,
+            trace_dir=args.trace_dir,
+            otlp_endpoint=args.otlp_endpoint,
+            timeout=args.timeout,
+            progress=None if args.json else LineProgress(),
+        ) as result,
+    ):
+        print(json.dumps(load_json(result)) if args.json else load_summary(result), file=stdout)
     return 0
 
 
@@ -152,6 +159,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         "workdir": args.workdir,
         "device": args.device,
         "verify": False if args.no_verify else None,
+        "startup": False if args.no_startup else None,
     }
     config = BenchConfig(**{**quick, **{k: v for k, v in chosen.items() if v is not None}})
 
@@ -234,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=["tiny-llama", "llama-1b"], help="default llama-1b")
     p.add_argument("--device", choices=["cpu", "cuda"], help="where ranks load (default cpu)")
     p.add_argument("--no-verify", action="store_true", help="skip the cross-case tensor check")
+    p.add_argument("--no-startup", action="store_true", help="skip timing whole rayload.load")
     return parser
 
 

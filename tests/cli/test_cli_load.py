@@ -1,0 +1,52 @@
+"""``rayload load`` rejects bad input with exit code 2 and one line on stderr, before any
+Ray is started. (Loads that reach Ray are tested in tests/ray_cluster/test_cli_load.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import ray
+
+from rayload.cli import main
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tp", "2"], "no such checkpoint"),
+        (["--tp", "0"], "tp_size must be an integer >= 1"),
+        (["--tp", "2", "--method", "teleport"], "unknown load method 'teleport'"),
+        (["--tp", "2", "--timeout", "0"], "timeout must be > 0"),
+    ],
+)
+def test_load_bad_input_exits_2_with_one_line_before_ray_starts(
+    argv: list[str],
+    message: str,
+    tiny_llama: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    target = tmp_path / "missing" if message == "no such checkpoint" else tiny_llama
+    ray_was_up = ray.is_initialized()
+    assert main(["load", str(target), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "Traceback" not in err
+    assert ray.is_initialized() == ray_was_up
+
+
+def test_load_tp_not_dividing_checkpoint_exits_2_naming_tensor(
+    tiny_llama: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["load", str(tiny_llama), "--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model." in err
+
+
+def test_load_unknown_placement_strategy_is_usage_error(
+    tiny_llama: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["load", str(tiny_llama), "--tp", "2", "--placement-strategy", "RANDOM"])
+    assert exited.value.code == 2
+    assert "--placement-strategy" in capsys.readouterr().err

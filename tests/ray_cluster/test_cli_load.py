@@ -1,0 +1,115 @@
+"""``rayload load`` and ``rayload demo`` on a real Ray: the summary, the ``--json`` object,
+progress on stderr, exit codes 1 and 2 for failed loads, and a demo from a fresh process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import ray
+
+from rayload.cli import main
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+RANK_KEYS = {"rank", "node_id", "device", "method", "bytes_read", "tensors", "seconds"}
+
+
+def test_load_json_prints_one_object_with_contract_fields(
+    tiny_llama: Path, capsys: pytest.CaptureFixture[str], no_leaks: object
+) -> None:
+    assert main(["load", str(tiny_llama), "--tp", "2", "--device", "cpu", "--json"]) == 0
+    out = capsys.readouterr().out
+    doc = json.loads(out)  # stdout is exactly one JSON object
+    assert {"trace_id", "tp_size", "startup_metrics", "ranks"} <= set(doc)
+    assert doc["tp_size"] == 2 and len(doc["trace_id"]) == 32
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1]
+    node = ray.get_runtime_context().get_node_id()
+    for rank in doc["ranks"]:
+        assert set(rank) == RANK_KEYS
+        assert rank["node_id"] == node and rank["device"] == "cpu"
+        assert rank["method"] == {
+            "requested": "auto",
+            "selected": "scratch",
+            "effective": "scratch",
+            "fallback_reason": None,
+        }
+        assert rank["bytes_read"] > 0 and rank["tensors"] > 0
+    assert doc["startup_metrics"]["aggregate"]["placement_seconds"]["max"] >= 0
+
+
+def test_load_prints_rank_table_metrics_and_progress_lines(
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_leaks: object
+) -> None:
+    argv = ["load", str(tiny_llama), "--tp", "2", "--method", "dummy", "--device", "cpu"]
+    assert main([*argv, "--trace-dir", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    header = captured.out.splitlines()[0].split()
+    assert header == [
+        "rank", "node", "device", "requested", "selected", "effective", "fallback",
+        "bytes", "seconds",
+    ]  # fmt: skip
+    assert "slowest rank" in captured.out and str(tmp_path / "trace.html") in captured.out
+    loaded = [line for line in captured.err.splitlines() if " loaded " in line]
+    assert len(loaded) == 2 and all(line.startswith("rayload: rank ") for line in loaded)
+    assert "\r" not in captured.err
+
+
+def test_load_rank_failure_exits_1_with_one_line_naming_rank_and_node(
+    tiny_llama: Path,
+    set_test_hooks: Callable[..., None],
+    capsys: pytest.CaptureFixture[str],
+    no_leaks: object,
+) -> None:
+    set_test_hooks(fault={"rank": 1, "phase": "rank.read", "action": "exit"})
+    assert main(["load", str(tiny_llama), "--tp", "2", "--device", "cpu", "--json"]) == 1
+    captured = capsys.readouterr()
+    assert "trace_id" not in captured.out, "no JSON object for a failed load"
+    node = ray.get_runtime_context().get_node_id()
+    errors = [line for line in captured.err.splitlines() if line.startswith("rayload: error")]
+    assert len(errors) == 1 and f"rank 1 on node {node}" in errors[0]
+    assert "actor died" in errors[0] and "Traceback" not in captured.err
+
+
+def test_load_strict_method_fallback_exits_2(
+    tiny_llama: Path, capsys: pytest.CaptureFixture[str], no_leaks: object
+) -> None:
+    argv = ["load", str(tiny_llama), "--tp", "1", "--method", "fastsafetensors_gdr"]
+    assert main([*argv, "--strict-method", "--device", "cpu"]) == 2
+    assert "rank 0 on node" in capsys.readouterr().err
+
+
+def test_demo_in_process_writes_traces_and_says_where(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_leaks: object
+) -> None:
+    trace_dir = tmp_path / "demo-traces"
+    assert main(["demo", "--trace-dir", str(trace_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"traces in {trace_dir}" in out
+    assert {p.name for p in trace_dir.iterdir()} >= {
+        "trace.otlp.json",
+        "trace.jaeger.json",
+        "trace.chrome.json",
+        "trace.html",
+    }
+
+
+@pytest.mark.slow
+def test_demo_from_fresh_process_starts_and_stops_its_own_ray(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    run = subprocess.run(
+        [sys.executable, "-m", "rayload.cli", "demo"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "rayload-demo-traces" / "trace.html").is_file()
+    assert "rank 1 loaded" in run.stderr
