@@ -11,7 +11,7 @@ import torch
 
 from rayload.errors import ConfigError, ShardingError
 from rayload.loading.checkpoint import open_checkpoint
-from rayload.loading.plan import ByteRange, ShardPlan, plan_shards
+from rayload.loading.plan import ByteRange, RowRanges, ShardPlan, plan_shards
 from rayload.loading.rules import Rule
 
 
@@ -207,3 +207,24 @@ def test_plan_is_picklable_and_frozen(tiny_llama: Path) -> None:
 
 def test_accepts_an_open_checkpoint(tiny_llama: Path) -> None:
     assert plan_shards(open_checkpoint(tiny_llama), 4) == plan_shards(tiny_llama, 4)
+
+
+def test_split1_rows_stay_compact_however_many(
+    write_raw_safetensors: Callable[..., Path], tmp_path: Path
+) -> None:
+    path = _small(write_raw_safetensors, tmp_path, {"w": [4096, 8]})
+    start = open_checkpoint(path).tensors["w"].start
+    shard = plan_shards(path, 2, rules=[Rule("w", 1)]).ranks[1].shards[0]
+    assert isinstance(shard.ranges, RowRanges)
+    assert len(pickle.dumps(shard)) < 1000
+    assert len(shard.ranges) == 4096 and shard.nbytes == 4096 * 16
+    assert shard.ranges[-1] == ByteRange(str(path), start + 4095 * 32 + 16, 16)
+    assert shard.ranges[1:3] == (
+        ByteRange(str(path), start + 32 + 16, 16),
+        ByteRange(str(path), start + 64 + 16, 16),
+    )
+    assert list(shard.ranges) == [shard.ranges[i] for i in range(4096)]
+    assert shard.ranges == tuple(shard.ranges) and tuple(shard.ranges) == shard.ranges
+    assert shard.ranges != tuple(shard.ranges)[:-1]
+    with pytest.raises(IndexError):
+        shard.ranges[4096]

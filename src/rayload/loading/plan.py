@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 from rayload.errors import CheckpointError, ConfigError, ShardingError
 from rayload.loading.checkpoint import Checkpoint, TensorInfo, open_checkpoint, shard_shape
@@ -33,6 +34,62 @@ class ByteRange:
     length: int
 
 
+@dataclass(frozen=True, eq=False)
+class RowRanges(Sequence[ByteRange]):
+    """``rows`` ranges of ``length`` bytes, ``stride`` bytes apart from ``offset`` in
+    ``file``: the rows of a split-1 shard.
+
+    A sequence of :class:`ByteRange` that stores five numbers instead of one object per
+    row, so a plan stays small and quick to build and pickle whatever the row count
+    (a 70B model has millions of split-1 rows per rank). It compares equal to any sequence
+    of the same ranges; readers that want the rows as one strided read use the fields.
+    """
+
+    file: str
+    offset: int
+    length: int
+    stride: int
+    rows: int
+
+    def __len__(self) -> int:
+        return self.rows
+
+    @overload
+    def __getitem__(self, index: int) -> ByteRange: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[ByteRange, ...]: ...
+    def __getitem__(self, index: int | slice) -> ByteRange | tuple[ByteRange, ...]:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(self.rows)))
+        if index < 0:
+            index += self.rows
+        if not 0 <= index < self.rows:
+            raise IndexError(f"row {index} of {self.rows}")
+        return ByteRange(self.file, self.offset + index * self.stride, self.length)
+
+    def __iter__(self) -> Iterator[ByteRange]:
+        for i in range(self.rows):
+            yield ByteRange(self.file, self.offset + i * self.stride, self.length)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, RowRanges):
+            return _fields(self) == _fields(other)
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            return len(other) == self.rows and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    @property
+    def nbytes(self) -> int:
+        return self.length * self.rows
+
+
+def _fields(r: RowRanges) -> tuple[str, int, int, int, int]:
+    return (r.file, r.offset, r.length, r.stride, r.rows)
+
+
 @dataclass(frozen=True)
 class TensorShard:
     """One tensor as one rank sees it.
@@ -40,7 +97,8 @@ class TensorShard:
     ``split`` is the dimension cut across ranks (0 or 1) or None when replicated.
     ``ranges`` list the file bytes that hold this rank's shard, in the order they appear in
     the shard's row-major layout (a split-1 tensor has one range per row, coalesced where
-    rows touch). The concatenation of the ranges is exactly the shard's bytes.
+    rows touch; :func:`plan_shards` gives those as a compact :class:`RowRanges`). The
+    concatenation of the ranges is exactly the shard's bytes.
     """
 
     name: str
@@ -48,11 +106,20 @@ class TensorShard:
     full_shape: tuple[int, ...]
     shape: tuple[int, ...]
     split: int | None
-    ranges: tuple[ByteRange, ...]
+    ranges: Sequence[ByteRange]
 
     @property
     def nbytes(self) -> int:
+        if isinstance(self.ranges, RowRanges):
+            return self.ranges.nbytes
         return sum(r.length for r in self.ranges)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The files the shard's bytes are in (one, for every plan rayload makes)."""
+        if isinstance(self.ranges, RowRanges):
+            return (self.ranges.file,)
+        return tuple(dict.fromkeys(r.file for r in self.ranges))
 
 
 @dataclass(frozen=True)
@@ -69,7 +136,7 @@ class RankPlan:
 
     @property
     def files(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(r.file for s in self.shards for r in s.ranges))
+        return tuple(dict.fromkeys(f for s in self.shards for f in s.files))
 
 
 @dataclass(frozen=True)
@@ -240,7 +307,7 @@ def _shard(info: TensorInfo, split: int | None, rank: int, tp_size: int) -> Tens
     itemsize = ITEMSIZE[info.dtype]
     shape = shard_shape(info.shape, split, tp_size)
     if split is None:
-        ranges: tuple[ByteRange, ...] = (ByteRange(info.file, info.start, info.nbytes),)
+        ranges: Sequence[ByteRange] = (ByteRange(info.file, info.start, info.nbytes),)
     elif split == 0:
         length = math.prod(shape) * itemsize
         ranges = (ByteRange(info.file, info.start + rank * length, length),)
@@ -252,6 +319,5 @@ def _shard(info: TensorInfo, split: int | None, rank: int, tp_size: int) -> Tens
         if block == stride or rows == 1:
             ranges = (ByteRange(info.file, info.start + rank * block, block * rows),)
         else:
-            first = info.start + rank * block
-            ranges = tuple(ByteRange(info.file, first + i * stride, block) for i in range(rows))
+            ranges = RowRanges(info.file, info.start + rank * block, block, stride, rows)
     return TensorShard(info.name, info.dtype, info.shape, shape, split, ranges)
