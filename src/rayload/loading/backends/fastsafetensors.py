@@ -91,7 +91,7 @@ class FastsafetensorsGdrBackend(_FastsafetensorsBase):
     def _loader_options(self) -> dict[str, Any]:
         if self.probe.fastsafetensors_gdr_copier:
             return {"copier_type": "gdr"}
-        return {"nogds": False}
+        return super()._loader_options()
 
     def _effective(self, copier: str | None, notes: list[str]) -> tuple[LoadMethod, str | None]:
         """GDS ran only if fastsafetensors built a GDS copier *and* no file fell back.
