@@ -114,3 +114,23 @@ def test_corrupt_header_exits_2_naming_file(
 ) -> None:
     bad = write_raw_safetensors(tmp_path / "model.safetensors", {"w": {"dtype": "F32"}})
     _assert_one_line_error(_run("inspect", str(tmp_path)), str(bad), "'w'")
+
+
+def test_inspect_and_plan_of_converted_checkpoint(
+    tiny_llama: Path,
+    make_converted: Callable[[Path, Path, int], Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from rayload.cli import main
+
+    out = make_converted(tiny_llama, tmp_path / "tp2", 2)
+    assert main(["inspect", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["layout"] == "converted" and summary["tp_size"] == 2
+    assert {t["rank"] for t in summary["tensors"]} == {0, 1}
+    assert main(["plan", str(out), "--tp", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "(converted), tp=2, rules: manifest" in text
+    assert main(["plan", str(out), "--tp", "4"]) == 2
+    assert "converted for tp=2, asked for tp=4" in capsys.readouterr().err

@@ -143,3 +143,30 @@ def test_config_json_is_read(tiny_llama: Path) -> None:
     ckpt = open_checkpoint(tiny_llama)
     config = json.loads((tiny_llama / "config.json").read_text())
     assert ckpt.config == config
+
+
+def test_tensors_missing_from_weight_map_are_ignored_with_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    save_file({"a": torch.zeros(2), "orphan": torch.zeros(3)}, str(tmp_path / "p1.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "p1.safetensors"}})
+    )
+    with caplog.at_level("WARNING", logger="rayload.loading.checkpoint"):
+        ckpt = open_checkpoint(tmp_path)
+    assert set(ckpt.tensors) == {"a"}
+    assert "orphan" in caplog.text and "p1.safetensors" in caplog.text
+
+
+def test_converted_rank_tensors_differ_per_rank(
+    tiny_llama: Path, make_converted: Callable[[Path, Path, int], Path], tmp_path: Path
+) -> None:
+    ckpt = open_checkpoint(make_converted(tiny_llama, tmp_path / "tp2", 2))
+    name = "model.layers.0.mlp.down_proj.weight"
+    r0, r1 = ckpt.rank_tensors(0)[name], ckpt.rank_tensors(1)[name]
+    assert r0.shape == r1.shape == (256, 256)
+    assert r0.file != r1.file
+    assert ckpt.tensors[name] == r0
+    assert ckpt.tensor_bytes == sum(
+        t.nbytes for rank in (0, 1) for t in ckpt.rank_tensors(rank).values()
+    )

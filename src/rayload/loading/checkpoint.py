@@ -142,9 +142,12 @@ def _indexed(root: str, config: Mapping[str, Any] | None) -> Checkpoint:
     names = sorted(set(weight_map.values()))
     paths = {name: inside_root(root, name, referrer=index_path) for name in names}
     headers = dict(zip(names, read_headers([paths[n] for n in names]), strict=True))
+    by_file: dict[str, set[str]] = {name: set() for name in names}
+    for tensor, name in weight_map.items():
+        by_file[name].add(tensor)
     tensors: dict[str, TensorInfo] = {}
     for name, header in headers.items():
-        wanted = {t for t, f in weight_map.items() if f == name}
+        wanted = by_file[name]
         if missing := sorted(wanted - header.tensors.keys()):
             raise CheckpointError(
                 f"{index_path}: weight_map puts tensor {missing[0]!r} in {header.file}, which "
