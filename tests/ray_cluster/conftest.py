@@ -31,9 +31,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class RayCluster:
+    """The session's cluster. Pass ``state_address`` to ``ray.util.state`` calls: without
+    it they guess, and fail when other Ray clusters run on the machine."""
+
+    state_address: str
+    node_id: str
+
+
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[None]:
-    ray.init(
+def ray_cluster() -> Iterator[RayCluster]:
+    context = ray.init(
         address="local",
         num_cpus=2,
         num_gpus=FAKE_GPUS,
@@ -44,7 +53,10 @@ def ray_cluster() -> Iterator[None]:
         logging_level=logging.ERROR,
         namespace="rayload-tests",
     )
-    yield
+    yield RayCluster(
+        state_address=f"http://{context.dashboard_url}",
+        node_id=ray.get_runtime_context().get_node_id(),
+    )
     ray.shutdown()
 
 
@@ -56,8 +68,12 @@ class ClusterState:
     groups: frozenset[str]
 
     @classmethod
-    def now(cls) -> ClusterState:
-        alive = list_actors(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+    def now(cls, state_address: str) -> ClusterState:
+        alive = list_actors(
+            address=state_address,
+            filters=[("state", "=", "ALIVE")],
+            raise_on_missing_output=False,
+        )
         groups = ray.util.placement_group_table()
         return cls(
             actors=frozenset(a.actor_id for a in alive),
@@ -66,19 +82,19 @@ class ClusterState:
 
 
 @pytest.fixture
-def no_leaks(ray_cluster: None) -> Iterator[ClusterState]:
+def no_leaks(ray_cluster: RayCluster) -> Iterator[ClusterState]:
     """Assert the test left no alive actor and no created placement group behind.
 
     ``ray.kill`` and ``remove_placement_group`` are asynchronous in the GCS, so the check
     polls for a short while before it fails."""
-    before = ClusterState.now()
+    before = ClusterState.now(ray_cluster.state_address)
     yield before
-    after = ClusterState.now()
+    after = ClusterState.now(ray_cluster.state_address)
     for _ in range(50):
         if after.actors <= before.actors and after.groups <= before.groups:
             break
         time.sleep(0.2)
-        after = ClusterState.now()
+        after = ClusterState.now(ray_cluster.state_address)
     assert after.actors <= before.actors, f"leaked actors: {after.actors - before.actors}"
     assert after.groups <= before.groups, f"leaked placement groups: {after.groups - before.groups}"
 
