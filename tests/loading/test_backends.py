@@ -21,7 +21,7 @@ from rayload.loading.backends.fastsafetensors import FastsafetensorsGdrBackend
 from rayload.loading.backends.reader import Segment, plan_reads, shard_segments
 from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.methods import LoadMethod
-from rayload.loading.plan import ByteRange, RankPlan, TensorShard, plan_shards
+from rayload.loading.plan import ByteRange, RankPlan, RowRanges, TensorShard, plan_shards
 from rayload.loading.probe import EnvProbe, probe_environment
 from rayload.loading.report import PHASES, PhaseTimer
 
@@ -230,6 +230,12 @@ def test_shard_segments_turns_split1_rows_into_one_strided_segment() -> None:
     rows = tuple(ByteRange("f", 100 + i * 48 + 24, 24) for i in range(8))
     shard = TensorShard("m", "F32", (8, 12), (8, 6), 1, rows)
     [seg] = shard_segments([shard])
+    assert (seg.offset, seg.length, seg.row, seg.stride) == (124, 192, 24, 48)
+
+
+def test_shard_segments_takes_planned_row_ranges_as_one_strided_segment() -> None:
+    rows = RowRanges("f", 124, 24, 48, 8)
+    [seg] = shard_segments([TensorShard("m", "F32", (8, 12), (8, 6), 1, rows)])
     assert (seg.offset, seg.length, seg.row, seg.stride) == (124, 192, 24, 48)
 
 

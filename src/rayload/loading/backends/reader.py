@@ -34,7 +34,7 @@ import torch
 from rayload.errors import CheckpointError
 from rayload.loading.backends.base import ReaderOptions
 from rayload.loading.dtypes import torch_dtype
-from rayload.loading.plan import ByteRange, TensorShard
+from rayload.loading.plan import ByteRange, RowRanges, TensorShard
 
 _IOV_MAX = 1024
 _MAX_BATCH_READS = 1024
@@ -392,6 +392,20 @@ def shard_segments(shards: Sequence[TensorShard]) -> list[Segment]:
     segments = []
     for index, shard in enumerate(shards):
         ranges = shard.ranges
+        if isinstance(ranges, RowRanges) and ranges.rows > 1 and ranges.stride > ranges.length:
+            segments.append(
+                Segment(
+                    ranges.file,
+                    ranges.offset,
+                    ranges.rows * ranges.length,
+                    index,
+                    0,
+                    shard.name,
+                    ranges.length,
+                    ranges.stride,
+                )
+            )
+            continue
         pos = i = 0
         while i < len(ranges):
             first = ranges[i]
