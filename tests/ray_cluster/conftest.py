@@ -151,3 +151,9 @@ def set_test_hooks(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
         monkeypatch.setenv("RAYLOAD_TEST_HOOKS", json.dumps(hooks))
 
     return set_hooks
+
+
+@pytest.fixture
+def unused_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    return free_port()
