@@ -1,6 +1,6 @@
 """A tiny generated checkpoint and one benchmark run over it, shared by the benchmark tests.
 
-The run is module-agnostic and session-scoped: one harness run (every case this machine
+The run is session-scoped: one harness run (every case this machine
 can run, TP 2, cold and warm, 2 repetitions) costs seconds of forking, so every test that
 only reads its result shares it.
 """
@@ -28,6 +28,7 @@ def bench_config(bench_checkpoint: Path, tmp_path_factory: pytest.TempPathFactor
         workdir=str(tmp_path_factory.mktemp("bench-work")),
         tp_sizes=(2,),
         repeat=2,
+        startup=False,  # whole rayload.load calls: tests/benchmark/test_startup.py
     )
 
 

@@ -35,6 +35,15 @@ def run_benchmark(
     samples = runner.run_all(config, prep, progress)
     summaries = summary.summarize(samples, prep.checkpoint_bytes)
     tp = max(config.tp_sizes)
+    load_breakdown = None
+    if config.startup and "scratch" not in prep.skipped:
+        from rayload.benchmark.startup import measure_startup
+
+        progress(f"timing rayload.load (tp={tp}, scratch) with and without trace files")
+        load_breakdown = measure_startup(
+            prep.checkpoint, tp, repeat=config.repeat, device=config.device
+        )
+    items = summary.targets(summaries, tp=tp, load_breakdown=load_breakdown)
     result = {
         "schema": 1,
         "started": started,
@@ -52,7 +61,8 @@ def run_benchmark(
         "skipped": dict(prep.skipped),
         "consistency": summary.consistency(samples) if config.verify else [],
         "summary": summary.to_jsonable(summaries),
-        "targets": summary.to_jsonable(summary.targets(summaries, tp=tp)),
+        "targets": summary.to_jsonable(items),
+        "load_breakdown": load_breakdown,
         "samples": [s.to_dict() for s in samples],
     }
     return json.loads(json.dumps(result))  # plain JSON types: what write_report writes

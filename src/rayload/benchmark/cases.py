@@ -177,6 +177,26 @@ def _sequential_read(job: RankJob) -> Loaded:
     return Loaded()
 
 
+def _sequential_read_alloc(job: RankJob) -> Loaded:
+    """The limit for a loader, whose destination is new memory: the same sequential read,
+    but into freshly allocated buffers that together hold the whole checkpoint, so the
+    kernel's page faults and zeroing of new pages are paid as every loader pays them."""
+    buffers = []
+    for path in job.files:
+        buf = torch.empty(os.path.getsize(path), dtype=torch.uint8)
+        view = buf.numpy().data.cast("B")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            pos = 0
+            while n := os.preadv(fd, [view[pos : pos + LIMIT_CHUNK]], pos):
+                pos += n
+        finally:
+            os.close(fd)
+        buffers.append(buf)
+    return Loaded()
+
+
 CASES: dict[str, Case] = {
     c.name: c
     for c in (
@@ -185,6 +205,13 @@ CASES: dict[str, Case] = {
             "limit",
             "one sequential read of the whole checkpoint",
             _sequential_read,
+            per_rank=False,
+        ),
+        Case(
+            "limit_alloc",
+            "limit",
+            "the same sequential read into newly allocated memory (page faults paid)",
+            _sequential_read_alloc,
             per_rank=False,
         ),
         Case("scratch", "rayload", "rayload load_rank(method='scratch')", _rayload("scratch")),

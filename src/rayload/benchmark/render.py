@@ -33,6 +33,7 @@ def table(summaries: Sequence[CaseSummary], cache: str) -> str:
             "peak RSS rise/rank MB",
             "shard MB",
             "x limit",
+            "x limit_alloc",
         ]
         + [f"speedup vs {p}" for p in peers]
         + ["effective", "runs"]
@@ -56,6 +57,7 @@ def table(summaries: Sequence[CaseSummary], cache: str) -> str:
                 f"{s.rss_peak_delta / MB:.0f}",
                 f"{s.shard_bytes / MB:.0f}",
                 _num(s.x_limit, "{:.2f}"),
+                _num(s.x_limit_alloc, "{:.2f}"),
             ]
             + [_num(s.speedup.get(p), "{:.2f}") for p in peers]
             + [
@@ -111,9 +113,25 @@ def markdown(
 
 
 def _breakdown(b: dict[str, Any]) -> str:
-    rows = [["part", "seconds"], ["---", "---"]]
-    rows += [[k, f"{v:.3f}" if isinstance(v, float) else str(v)] for k, v in b.items()]
-    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+    off, on = b["without_trace_files"], b["with_trace_files"]
+    rows = [
+        ["part (median, s)", "without trace files", "with trace files"],
+        ["---", "---", "---"],
+        ["Ray start (`ray.init`, once)", f"{b['ray_start_s']:.2f}", ""],
+    ]
+    for key, label in (
+        ("placement_seconds", "placement group"),
+        ("actor_startup_seconds", "actor start (slowest rank)"),
+        ("checkpoint_preparation_seconds", "rank: resolve + plan (slowest)"),
+        ("weight_population_seconds", "rank: weight load (slowest)"),
+        ("total_model_loading_seconds", "rank: total model loading (slowest)"),
+        ("other_s", "driver: validate, clock sync, trace, metrics"),
+        ("wall_s", "whole `rayload.load` call"),
+    ):
+        rows.append([label, f"{off[key]:.3f}", f"{on[key]:.3f}"])
+    lines = [f"TP={b['tp_size']}, method {b['method']}, warm page cache."]
+    lines.append("\n".join("| " + " | ".join(r) + " |" for r in rows))
+    return "\n\n".join(lines)
 
 
 def chart(summaries: Sequence[CaseSummary], caches: Sequence[str], path: Path) -> bool:
@@ -127,8 +145,8 @@ def chart(summaries: Sequence[CaseSummary], caches: Sequence[str], path: Path) -
     except ImportError:
         log.warning("matplotlib is not installed; no chart (pip install 'rayload[bench]')")
         return False
-    cases = list(dict.fromkeys(s.case for s in summaries if s.case != "limit"))
-    tps = sorted({s.tp_size for s in summaries if s.case != "limit"})
+    cases = list(dict.fromkeys(s.case for s in summaries if s.kind != "limit"))
+    tps = sorted({s.tp_size for s in summaries if s.kind != "limit"})
     by = {(s.case, s.tp_size, s.cache): s for s in summaries if s.runs}
     fig, axes = plt.subplots(1, len(caches), figsize=(6 * len(caches), 4.5), squeeze=False)
     width = 0.8 / max(1, len(cases))
@@ -137,9 +155,12 @@ def chart(summaries: Sequence[CaseSummary], caches: Sequence[str], path: Path) -
             xs = [t + (i - (len(cases) - 1) / 2) * width for t in range(len(tps))]
             ys = [by[(case, tp, cache)].wall_s if (case, tp, cache) in by else 0 for tp in tps]
             ax.bar(xs, ys, width, label=case)
-        limit = by.get(("limit", 1, cache))
-        if limit is not None:
-            ax.axhline(limit.wall_s, color="black", linestyle="--", label="sequential-read limit")
+        for name, style, label in (
+            ("limit", "--", "limit: sequential read, reused buffer"),
+            ("limit_alloc", ":", "limit_alloc: sequential read into new memory"),
+        ):
+            if (limit := by.get((name, 1, cache))) is not None:
+                ax.axhline(limit.wall_s, color="black", linestyle=style, label=label)
         ax.set_xticks(range(len(tps)), [f"TP={tp}" for tp in tps])
         ax.set_ylabel("wall time, s (median; lower is better)")
         ax.set_title(f"{cache} page cache")

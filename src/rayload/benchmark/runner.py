@@ -54,6 +54,9 @@ class BenchConfig:
     verify: bool = True
     """Hash every rank's tensors (after timing) and check that all cases agree."""
     rank_timeout_s: float = 900.0
+    startup: bool = True
+    """Also time whole ``rayload.load`` calls (Ray start, placement, actors, weights) at
+    the largest TP size, with and without trace files."""
 
     def __post_init__(self) -> None:
         if not self.size_gb > 0:
@@ -147,10 +150,8 @@ def prepare(config: BenchConfig, progress: Progress) -> Prepared:
     from rayload.loading.checkpoint import open_checkpoint
     from rayload.loading.plan import plan_shards
 
-    requested = config.methods or tuple(CASES)
+    requested = selected_cases(config)
     skipped = {n: r for n in requested if (r := unavailable_reason(CASES[n])) is not None}
-    if config.methods and "limit" not in config.methods:
-        requested = ("limit", *requested)
     checkpoint = config.checkpoint or _generated_checkpoint(config, progress)
     ckpt = open_checkpoint(checkpoint)
     files = tuple(ckpt.files)
@@ -295,18 +296,26 @@ def _run_processes(jobs: Sequence[RankJob], timeout_s: float) -> tuple[RankSampl
 
 def run_all(config: BenchConfig, prep: Prepared, progress: Progress) -> list[CaseSample]:
     """Every (repetition, cache, tp, case), interleaved as described in the module doc."""
-    names = [n for n in (config.methods or tuple(CASES)) if n not in prep.skipped]
-    cases = [CASES[n] for n in names if n != "limit"]
+    names = [n for n in selected_cases(config) if n not in prep.skipped]
+    limits = [CASES[n] for n in names if not CASES[n].per_rank]
+    cases = [CASES[n] for n in names if CASES[n].per_rank]
     samples: list[CaseSample] = []
     for rep in range(config.repeat):
         for cache in config.caches:
-            samples.append(run_case(CASES["limit"], 1, cache, rep, prep, config))
-            _report(samples[-1], progress)
+            for limit in limits:
+                samples.append(run_case(limit, 1, cache, rep, prep, config))
+                _report(samples[-1], progress)
             for tp in config.tp_sizes:
                 for case in cases:
                     samples.append(run_case(case, tp, cache, rep, prep, config))
                     _report(samples[-1], progress)
     return samples
+
+
+def selected_cases(config: BenchConfig) -> tuple[str, ...]:
+    """The cases ``config`` asks for, in table order; the limit is always one of them."""
+    chosen = config.methods or tuple(CASES)
+    return tuple(n for n in CASES if n in chosen or n == "limit")
 
 
 def _report(sample: CaseSample, progress: Progress) -> None:

@@ -1,0 +1,133 @@
+"""The whole ``rayload.load`` wall time, split into Ray start, placement, actor start and
+weight loading, and the cost of writing the trace (``trace_dir`` set vs not).
+
+It runs in a child interpreter (``python -m rayload.benchmark.startup``) so that Ray never
+lives in the benchmark process: Ray start is timed from a cold ``ray.init``, then the
+loads join that Ray. Runs with and without trace files alternate (off-on, on-off, ...) to
+spread drift over both. Rank spans are recorded in both: rayload cannot switch span
+recording off, so "tracing on" measures the trace files and their export path.
+The page cache is warm for every load: the cold-cache read is what the rank cases measure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from rayload.errors import LoadFailedError
+
+PARTS = (
+    "placement_seconds",
+    "actor_startup_seconds",
+    "checkpoint_preparation_seconds",
+    "weight_population_seconds",
+    "total_model_loading_seconds",
+)
+
+
+def measure_startup(
+    checkpoint: str,
+    tp_size: int,
+    *,
+    repeat: int,
+    method: str = "scratch",
+    device: str = "cpu",
+    timeout_s: float = 1800.0,
+) -> dict[str, Any]:
+    """Run the measurement in a child interpreter and return its JSON result."""
+    args = json.dumps(
+        {
+            "checkpoint": checkpoint,
+            "tp_size": tp_size,
+            "repeat": repeat,
+            "method": method,
+            "device": device,
+        }
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "rayload.benchmark.startup", args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        raise LoadFailedError(f"rayload.load benchmark failed (exit {done.returncode}): {tail}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _one_load(checkpoint: str, tp: int, method: str, device: str, trace: bool) -> dict[str, Any]:
+    import rayload
+
+    with tempfile.TemporaryDirectory(prefix="rayload-bench-trace-") as tmp:
+        start = time.perf_counter()
+        result = rayload.load(
+            checkpoint,
+            tp_size=tp,
+            method=method,
+            device=device,
+            trace_dir=tmp if trace else None,
+        )
+        loaded = time.perf_counter() - start
+        aggregate = result.startup_metrics["aggregate"]
+        result.close()
+    run: dict[str, Any] = {"trace_files": trace, "wall_s": loaded}
+    run.update({k: aggregate[k]["max"] for k in PARTS})
+    run["other_s"] = loaded - sum(
+        run[k]
+        for k in ("placement_seconds", "actor_startup_seconds", "total_model_loading_seconds")
+    )
+    return run
+
+
+def _medians(runs: Sequence[dict[str, Any]]) -> dict[str, float]:
+    keys = ("wall_s", *PARTS, "other_s")
+    return {k: statistics.median(r[k] for r in runs) for k in keys}
+
+
+def _main(args: dict[str, Any]) -> dict[str, Any]:
+    import ray
+
+    from rayload.benchmark import probes
+    from rayload.loading.checkpoint import open_checkpoint
+
+    tp, ckpt = int(args["tp_size"]), str(args["checkpoint"])
+    probes.warm(open_checkpoint(ckpt).files)
+    start = time.perf_counter()
+    ray.init(num_cpus=max(tp, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    ray_start = time.perf_counter() - start
+    runs = []
+    try:
+        for rep in range(int(args["repeat"])):
+            for trace in (False, True) if rep % 2 == 0 else (True, False):
+                runs.append(_one_load(ckpt, tp, args["method"], args["device"], trace))
+    finally:
+        ray.shutdown()
+    off = _medians([r for r in runs if not r["trace_files"]])
+    on = _medians([r for r in runs if r["trace_files"]])
+    return {
+        "tp_size": tp,
+        "method": args["method"],
+        "ray_start_s": ray_start,
+        "without_trace_files": off,
+        "with_trace_files": on,
+        "trace_overhead_pct": 100 * (on["wall_s"] - off["wall_s"]) / off["wall_s"],
+        "wall_s_spread_without": [
+            min(r["wall_s"] for r in runs if not r["trace_files"]),
+            max(r["wall_s"] for r in runs if not r["trace_files"]),
+        ],
+        "runs": runs,
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(_main(json.loads(sys.argv[1]))))
