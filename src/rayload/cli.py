@@ -160,6 +160,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         "device": args.device,
         "verify": False if args.no_verify else None,
         "startup": False if args.no_startup else None,
+        "split_probe": False if args.no_split_probe else None,
     }
     config = BenchConfig(**{**quick, **{k: v for k, v in chosen.items() if v is not None}})
 
@@ -243,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], help="where ranks load (default cpu)")
     p.add_argument("--no-verify", action="store_true", help="skip the cross-case tensor check")
     p.add_argument("--no-startup", action="store_true", help="skip timing whole rayload.load")
+    p.add_argument(
+        "--no-split-probe", action="store_true", help="skip read amplification by tensor kind"
+    )
     return parser
 
 

@@ -117,3 +117,23 @@ def test_targets_are_evaluated_for_the_largest_tp(bench_result: dict[str, Any]) 
     assert names["converted warm peak RSS per rank"]["met"] in (True, False)
     assert all(t["measured"] != "not measured" for t in names.values() if "trace" not in t["name"])
     assert names["trace files overhead on rayload.load"]["met"] is None  # startup=False here
+
+
+def test_amplification_by_kind_covers_both_kinds_and_rayload_cases(
+    bench_result: dict[str, Any],
+) -> None:
+    rows = bench_result["amplification_by_kind"]
+    assert {(r["kind"], r["case"]) for r in rows} >= {
+        (kind, case)
+        for kind in ("split 0 + replicated", "split 1")
+        for case in ("scratch", "converted")
+    }
+    for r in rows:
+        assert r["error"] is None, r
+        assert len(r["bytes_read"]) == len(r["plan_bytes"]) == r["tp_size"]
+        assert all(got >= need for got, need in zip(r["bytes_read"], r["plan_bytes"], strict=True))
+        assert r["amplification"] == round(
+            max(g / n for g, n in zip(r["bytes_read"], r["plan_bytes"], strict=True)), 4
+        )
+    names = {t["name"] for t in bench_result["targets"]}
+    assert "scratch read amplification, split 0 + replicated (tp=2)" in names

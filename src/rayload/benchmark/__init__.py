@@ -35,6 +35,11 @@ def run_benchmark(
     samples = runner.run_all(config, prep, progress)
     summaries = summary.summarize(samples, prep.checkpoint_bytes)
     tp = max(config.tp_sizes)
+    amplification = None
+    if config.split_probe:
+        from rayload.benchmark.splits import split_amplification
+
+        amplification = split_amplification(config, prep, tp, progress)
     load_breakdown = None
     if config.startup and "scratch" not in prep.skipped:
         from rayload.benchmark.startup import measure_startup
@@ -43,7 +48,9 @@ def run_benchmark(
         load_breakdown = measure_startup(
             prep.checkpoint, tp, repeat=config.repeat, device=config.device
         )
-    items = summary.targets(summaries, tp=tp, load_breakdown=load_breakdown)
+    items = summary.targets(
+        summaries, tp=tp, load_breakdown=load_breakdown, amplification=amplification
+    )
     result = {
         "schema": 1,
         "started": started,
@@ -63,6 +70,7 @@ def run_benchmark(
         "summary": summary.to_jsonable(summaries),
         "targets": summary.to_jsonable(items),
         "load_breakdown": load_breakdown,
+        "amplification_by_kind": amplification,
         "samples": [s.to_dict() for s in samples],
     }
     return json.loads(json.dumps(result))  # plain JSON types: what write_report writes

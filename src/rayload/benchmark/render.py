@@ -71,7 +71,10 @@ def table(summaries: Sequence[CaseSummary], cache: str) -> str:
 def targets_table(items: Sequence[Target]) -> str:
     rows = [["target", "threshold", "measured", "met"], ["---"] * 4]
     for t in items:
-        met = "not measured" if t.met is None else ("yes" if t.met else "**no**")
+        if t.met is None:
+            met = "not measured" if t.measured == "not measured" else "-"
+        else:
+            met = "yes" if t.met else "**no**"
         rows.append([t.name, t.threshold, t.measured, met + (f" ({t.note})" if t.note else "")])
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
@@ -104,12 +107,39 @@ def markdown(
     lines.append("")
     for cache in cfg["caches"]:
         lines += [f"## {cache} page cache", "", table(summaries, cache), ""]
+    if result.get("amplification_by_kind"):
+        lines += [
+            "## Read amplification by kind of tensor",
+            "",
+            "Worst rank's bytes read / the bytes its plan needs, on one-layer checkpoints "
+            "holding only that kind of tensor, warm page cache.",
+            "",
+            _amplification(result["amplification_by_kind"]),
+            "",
+        ]
     lines += ["## Targets", "", targets_table(items), ""]
     if result.get("load_breakdown"):
         lines += ["## `rayload.load` wall time", "", _breakdown(result["load_breakdown"]), ""]
     if chart:
         lines += [f"![wall time per case]({chart})", ""]
     return "\n".join(lines)
+
+
+def _amplification(rows: Sequence[dict[str, Any]]) -> str:
+    out = [["kind", "case", "tp", "tensors", "MB needed/rank", "amplification"], ["---"] * 6]
+    for r in rows:
+        value = "FAILED" if r["amplification"] is None else f"{r['amplification']:.3f}"
+        out.append(
+            [
+                r["kind"],
+                r["case"],
+                str(r["tp_size"]),
+                str(r["tensors"]),
+                f"{max(r['plan_bytes']) / MB:.1f}",
+                value,
+            ]
+        )
+    return "\n".join("| " + " | ".join(row) + " |" for row in out)
 
 
 def _breakdown(b: dict[str, Any]) -> str:

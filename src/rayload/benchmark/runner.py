@@ -54,6 +54,9 @@ class BenchConfig:
     verify: bool = True
     """Hash every rank's tensors (after timing) and check that all cases agree."""
     rank_timeout_s: float = 900.0
+    split_probe: bool = True
+    """Also measure read amplification by kind of tensor (split 0 + replicated, split 1)
+    on small one-layer checkpoints, at the largest TP size."""
     startup: bool = True
     """Also time whole ``rayload.load`` calls (Ray start, placement, actors, weights) at
     the largest TP size, with and without trace files."""
@@ -147,21 +150,37 @@ def unavailable_reason(case: Case) -> str | None:
 
 def prepare(config: BenchConfig, progress: Progress) -> Prepared:
     """Generate (or reuse) the checkpoint, plan every TP size, convert where needed."""
-    from rayload.loading.checkpoint import open_checkpoint
-    from rayload.loading.plan import plan_shards
-
     requested = selected_cases(config)
     skipped = {n: r for n in requested if (r := unavailable_reason(CASES[n])) is not None}
     checkpoint = config.checkpoint or _generated_checkpoint(config, progress)
+    convert = "converted" in requested and "converted" not in skipped
+    return prepare_checkpoint(
+        checkpoint, config.tp_sizes, config.workdir, progress, convert=convert, skipped=skipped
+    )
+
+
+def prepare_checkpoint(
+    checkpoint: str,
+    tp_sizes: Sequence[int],
+    workdir: str,
+    progress: Progress,
+    *,
+    convert: bool,
+    skipped: Mapping[str, str] | None = None,
+) -> Prepared:
+    """Plan ``checkpoint`` for every TP size and, with ``convert``, make converted copies."""
+    from rayload.loading.checkpoint import open_checkpoint
+    from rayload.loading.plan import plan_shards
+
     ckpt = open_checkpoint(checkpoint)
     files = tuple(ckpt.files)
     splits, plan_bytes, converted, converted_files = {}, {}, {}, {}
-    for tp in config.tp_sizes:
+    for tp in tp_sizes:
         plan = plan_shards(ckpt, tp)
         splits[tp] = dict(plan.splits)
         plan_bytes[tp] = tuple(r.nbytes for r in plan.ranks)
-        if "converted" in requested and "converted" not in skipped:
-            out = _converted_copy(checkpoint, files, tp, config.workdir, progress)
+        if convert:
+            out = _converted_copy(checkpoint, files, tp, workdir, progress)
             converted[tp] = out
             converted_files[tp] = tuple(open_checkpoint(out).files)
     return Prepared(
@@ -172,7 +191,7 @@ def prepare(config: BenchConfig, progress: Progress) -> Prepared:
         plan_rank_bytes=plan_bytes,
         converted=converted,
         converted_files=converted_files,
-        skipped=skipped,
+        skipped=dict(skipped or {}),
     )
 
 

@@ -159,6 +159,7 @@ def targets(
     *,
     tp: int,
     load_breakdown: Mapping[str, Any] | None = None,
+    amplification: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[Target]:
     """Issue 5's targets for the rayload cases at TP size ``tp``."""
     by = {(s.case, s.tp_size, s.cache): s for s in summaries if s.runs}
@@ -227,6 +228,18 @@ def targets(
                 lambda v: v <= 256,
                 "shard + {:.0f} MB",
             )
+    for row in amplification or []:
+        if row["case"] not in ("scratch", "converted"):
+            continue
+        name = f"{row['case']} read amplification, {row['kind']} (tp={row['tp_size']})"
+        value = row["amplification"]
+        if row["kind"] == "split 1":
+            measured = "failed" if value is None else f"{value:.3f}"
+            out.append(Target(name, "documented, no target", measured, None))
+        elif value is None:
+            out.append(Target(name, "<= 1.05", "failed", False, str(row["error"])))
+        else:
+            out.append(Target(name, "<= 1.05", f"{value:.3f}", value <= 1.05))
     if load_breakdown is None:
         out.append(Target("trace files overhead on rayload.load", "<= 3%", "not measured", None))
     else:
