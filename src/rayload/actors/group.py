@@ -77,23 +77,24 @@ class RankActorGroup:
     spawn_start_ns: dict[int, int] = field(default_factory=dict)
     ready_ns: dict[int, int] = field(default_factory=dict)
     clock_offsets: dict[int, tuple[int, int]] = field(default_factory=dict)
+    placed_nodes: dict[int, str | None] = field(default_factory=dict)
 
     @property
     def tp_size(self) -> int:
         return self.placement.tp_size
 
     def node_id(self, rank: int) -> str | None:
-        """The node rank ``rank`` runs on: what its actor said, else where its bundle is."""
+        """The node rank ``rank`` runs on: what its actor said, else the node its bundle was
+        placed on when the actors were spawned (a bundle whose node died is moved by Ray,
+        so asking the group now could name the wrong node)."""
         if rank in self.infos:
             return self.infos[rank].node_id
-        try:
-            return self.placement.node_ids().get(rank)
-        except RayError:
-            return None
+        return self.placed_nodes.get(rank)
 
     def spawn(self, *, deadline: float) -> RankFailure | None:
         """Start every rank's actor in its bundle, all at once, and wait until each is
         ready (or one fails, or ``deadline``, a ``time.monotonic()`` value, passes)."""
+        self.placed_nodes = self.placement.node_ids()
         waiting: dict[Any, int] = {}
         for rank in range(self.tp_size):
             resources = self.placement.resources(rank, want_gpu=self.want_gpu)
