@@ -107,6 +107,10 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
 
 def _measure(job: RankJob, barrier: Any, barrier_timeout_s: float) -> RankSample:
     case = CASES[job.case]
+    if job.device.startswith("cuda"):
+        # A serving process has its CUDA context before it loads weights: not timed here.
+        torch.zeros(1, device=job.device)
+        torch.cuda.synchronize()
     gc.collect()
     rss_before = probes.rss_bytes()
     probes.reset_peak_rss()
