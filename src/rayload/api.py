@@ -18,16 +18,17 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import Any
 
 import ray
 
-from rayload.actors.group import RankActorGroup, RankFailure, failure_error
+from rayload.actors.group import RankActorGroup
 from rayload.actors.hooks import hooks_from_env
-from rayload.actors.records import LoadRequest, RankOutcome, RankState
+from rayload.actors.records import LoadRequest, RankState
+from rayload.actors.startup import ProgressCallback, load_ranks, spawn_ranks, spawn_seconds
 from rayload.errors import CheckpointError, ConfigError, RankFailedError
 from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.methods import LoadMethod
@@ -50,8 +51,6 @@ log = logging.getLogger(__name__)
 DEVICES = ("auto", "cpu", "cuda")
 
 OTLP_TIMEOUT_S = 5.0
-
-ProgressCallback = Callable[[LoadProgress], None]
 
 
 @dataclass(eq=False)
@@ -167,13 +166,7 @@ def load(
         placement, placement_seconds = _place(trace, tp_size, device, placement_strategy, deadline)
         _notify(progress, LoadProgress("placed", tp_size))
         group = RankActorGroup(placement, want_gpu=device != "cpu", hooks=hooks)
-        spawned = time.time_ns()
-        failure = group.spawn(deadline=deadline)
-        if failure is None:
-            group.measure_clocks()
-        _record_spawns(trace, group)
-        if failure is not None:
-            _fail(trace, outputs, group, failure, answered=(), since_ns=spawned, timeout=timeout)
+        spawn_ranks(trace, group, deadline=deadline, timeout=timeout)
         _notify(progress, LoadProgress("spawned", tp_size))
         request = LoadRequest(
             path=source,
@@ -185,36 +178,23 @@ def load(
             rules=rules,
             model_role=model_role,
         )
-        finished = group.load(
-            request, deadline=deadline, on_rank_done=_rank_notifier(progress, tp_size)
+        ranks = load_ranks(
+            trace, group, request, deadline=deadline, timeout=timeout, progress=progress
         )
-        for outcome in finished.outcomes.values():
-            trace.add_rank(outcome.spans, *group.clock_offsets.get(outcome.rank, (0, None)))
-        if finished.failure is not None:
-            _fail(
-                trace,
-                outputs,
-                group,
-                finished.failure,
-                answered=finished.outcomes.keys(),
-                since_ns=finished.dispatch_ns,
-                timeout=timeout,
-            )
-        reports = [finished.outcomes[rank].report for rank in range(tp_size)]
-        ranks = [r for r in reports if r is not None]
         warnings = mixed_method_warnings(ranks)
         for warning in warnings:
             log.warning("%s", warning)
         metrics = startup_metrics(
             ranks,
             placement_seconds=placement_seconds,
-            actor_startup_seconds=_spawn_seconds(group),
+            actor_startup_seconds=spawn_seconds(group),
             model_role=model_role,
         )
         publish_ray_metrics(metrics)
         files = outputs.write(trace.finish())
-    except BaseException:
+    except BaseException as exc:
         _release(group, placement, started_ray)
+        outputs.write(trace.finish(error=str(exc) or type(exc).__name__))
         raise
     return LoadResult(
         trace_id=trace.trace_id,
@@ -342,54 +322,6 @@ def _place(
     return placement, (end - start) / 1e9
 
 
-def _record_spawns(trace: StartupTrace, group: RankActorGroup) -> None:
-    """One ``rayload.spawn`` span per rank that came up."""
-    for rank, info in sorted(group.infos.items()):
-        start, end = group.spawn_interval(rank)
-        attributes: dict[str, Any] = {
-            "rank": rank,
-            "node_id": info.node_id,
-            "pid": info.pid,
-            "gpu_ids": ",".join(info.gpu_ids),
-        }
-        if info.process_start_ns is not None:
-            offset = group.clock_offsets.get(rank, (0, 0))[0]
-            attributes["process_age_ms"] = (start - (info.process_start_ns - offset)) / 1e6
-        trace.add_span("rayload.spawn", start, end, attributes)
-
-
-def _spawn_seconds(group: RankActorGroup) -> dict[int, float]:
-    return {
-        rank: (end - start) / 1e9
-        for rank in group.infos
-        for start, end in [group.spawn_interval(rank)]
-    }
-
-
-def _fail(
-    trace: StartupTrace,
-    outputs: _TraceOutputs,
-    group: RankActorGroup,
-    failure: RankFailure,
-    *,
-    answered: Collection[int],
-    since_ns: int,
-    timeout: float,
-) -> NoReturn:
-    """Stop every rank, give each rank that sent no spans a stand-in ERROR span, write the
-    trace, and raise the error naming the failed rank."""
-    now = time.time_ns()
-    for rank in range(group.tp_size):
-        if rank in answered:
-            continue
-        cause = failure.cause if rank == failure.rank else f"stopped: rank {failure.rank} failed"
-        trace.add_missing_rank(rank, group.node_id(rank), cause, since_ns, now)
-    group.kill()
-    error = failure_error(failure, timeout_s=timeout)
-    outputs.write(trace.finish(error=str(error)))
-    raise error
-
-
 def _release(
     group: RankActorGroup | None, placement: RankPlacement | None, started_ray: bool
 ) -> None:
@@ -404,34 +336,6 @@ def _release(
 def _notify(progress: ProgressCallback | None, event: LoadProgress) -> None:
     if progress is not None:
         progress(event)
-
-
-def _rank_notifier(
-    progress: ProgressCallback | None, tp_size: int
-) -> Callable[[RankOutcome], None] | None:
-    if progress is None:
-        return None
-    done = 0
-
-    def notify(outcome: RankOutcome) -> None:
-        nonlocal done
-        done += 1
-        report = outcome.report
-        assert report is not None
-        progress(
-            LoadProgress(
-                "rank_loaded",
-                tp_size,
-                rank=outcome.rank,
-                node_id=outcome.node_id,
-                bytes_read=report.bytes_read,
-                seconds=report.seconds,
-                method=report.method.effective.value,
-                done=done,
-            )
-        )
-
-    return notify
 
 
 __all__ = ["LoadResult", "RankState", "load"]
