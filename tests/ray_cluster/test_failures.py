@@ -126,8 +126,13 @@ def test_shard_from_rank_killed_after_load_raises_rank_failed(
 
 
 def test_unsatisfiable_placement_names_resources_and_leaves_no_group(
-    tiny_llama: Path, no_leaks: object
+    tiny_llama: Path,
+    tmp_path: Path,
+    trace_reader: Callable[[Path], list[Any]],
+    no_leaks: object,
 ) -> None:
     # 8 GPU bundles on a cluster with 4 (fake) GPUs.
     with pytest.raises(ConfigError, match=r"cannot place 8 rank bundle.*GPU: 8.*GPU: 4"):
-        rayload.load(tiny_llama, 8, method="dummy", device="auto")
+        rayload.load(tiny_llama, 8, method="dummy", device="auto", trace_dir=tmp_path)
+    (placement,) = [s for s in trace_reader(tmp_path) if s.name == "rayload.placement"]
+    assert placement.error
