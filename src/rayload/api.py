@@ -34,6 +34,7 @@ from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.methods import LoadMethod
 from rayload.loading.plan import ShardPlan, plan_shards
 from rayload.loading.report import RankReport
+from rayload.loading.rules import resolve_rules
 from rayload.placement import STRATEGIES, RankPlacement, create_placement_group
 from rayload.placement.group import current_placement
 from rayload.progress import LoadProgress, mixed_method_warnings
@@ -153,7 +154,11 @@ def load(
     :class:`~rayload.errors.RankFailedError` or :class:`~rayload.errors.RankTimeoutError`.
     """
     source = _validate(path, tp_size, method, device, placement_strategy, timeout, model_role)
-    plan = plan_shards(open_checkpoint(source), tp_size, rules=rules)
+    checkpoint = open_checkpoint(source)
+    if isinstance(rules, str | os.PathLike):
+        # Read a rules file once, here: the ranks' nodes may not see the driver's files.
+        rules = resolve_rules(rules, checkpoint.architecture)
+    plan = plan_shards(checkpoint, tp_size, rules=rules)
     outputs = _TraceOutputs(trace_dir, otlp_endpoint)
     outputs.prepare()
     hooks = hooks_from_env()

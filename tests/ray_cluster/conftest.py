@@ -9,9 +9,11 @@ Tests that need their own cluster (several nodes, ``ray start``) run it in a sub
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import socket
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,6 +25,24 @@ import ray
 from ray.util.state import list_actors
 
 FAKE_GPUS = 4
+
+
+def _tracing_receivers() -> Any:
+    """tests/tracing/receivers.py (real OTLP receivers), loaded by path: test modules cannot
+    import each other under ``--import-mode=importlib``."""
+    name = "rayload_tests_tracing_receivers"
+    if name not in sys.modules:
+        source = Path(__file__).parents[1] / "tracing" / "receivers.py"
+        spec = importlib.util.spec_from_file_location(name, source)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+otlp_http_receiver = _tracing_receivers().otlp_http_receiver
+black_hole = _tracing_receivers().black_hole
 
 
 def free_port() -> int:

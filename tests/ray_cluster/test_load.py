@@ -153,3 +153,22 @@ def test_shard_of_unknown_tensor_names_rank_and_tensor(tiny_llama: Path, no_leak
         pytest.raises(KeyError, match="rank 1 holds no tensor 'nope'"),
     ):
         result.shard(1, "nope")
+
+
+def test_load_with_rules_file_applies_it_on_every_rank(
+    tiny_llama: Path, tmp_path: Path, no_leaks: object
+) -> None:
+    rules = tmp_path / "replicate-all.json"
+    rules.write_text('{"rules": [{"pattern": ".*", "split": "replicate"}]}')
+    full = plan_shards(tiny_llama, 1).ranks[0].shards
+    with rayload.load(tiny_llama, 2, method="dummy", device="cpu", rules=str(rules)) as result:
+        for shard in full:
+            assert result.plan.split_dim(shard.name) is None
+            assert tuple(result.shard(1, shard.name).shape) == shard.full_shape
+
+
+def test_load_draft_model_prefixes_metric_keys(tiny_llama: Path, no_leaks: object) -> None:
+    with rayload.load(tiny_llama, 1, method="dummy", device="cpu", model_role="draft") as result:
+        assert result.startup_metrics["model_role"] == "draft"
+        assert "draft_total_model_loading_seconds" in result.startup_metrics["aggregate"]
+        assert result.ranks[0].model_role == "draft"

@@ -55,3 +55,23 @@ def test_rank_clock_skew_is_corrected_into_root_span(
         assert root.start_ns <= span.start_ns <= span.end_ns <= root.end_ns, span.name
     # The report itself keeps the rank's own clock: only the trace is corrected.
     assert report.start_ns > root.end_ns
+
+
+def test_load_exports_its_trace_to_an_otlp_receiver(
+    tiny_llama: Path, otlp_http_receiver: Any, no_leaks: object
+) -> None:
+    endpoint = otlp_http_receiver.endpoint
+    with rayload.load(tiny_llama, 2, method="dummy", device="cpu", otlp_endpoint=endpoint) as r:
+        trace_id = r.trace_id
+    assert otlp_http_receiver.wait_for_requests(1)
+    spans = otlp_http_receiver.spans()
+    assert {f"{s.context.trace_id:032x}" for s in spans} == {trace_id}
+    assert Counter(s.name for s in spans)["rank.load"] == 2
+
+
+def test_load_succeeds_when_otlp_collector_never_answers(
+    tiny_llama: Path, black_hole: Any, no_leaks: object
+) -> None:
+    endpoint = f"http://127.0.0.1:{black_hole.port}/v1/traces"
+    with rayload.load(tiny_llama, 1, method="dummy", device="cpu", otlp_endpoint=endpoint) as r:
+        assert len(r.ranks) == 1
