@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +54,7 @@ log = logging.getLogger(__name__)
 DEVICES = ("auto", "cpu", "cuda")
 
 OTLP_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 5.0
 
 
 @dataclass(eq=False)
@@ -286,6 +289,7 @@ def _connect(address: str | None) -> bool:
     """
     if ray.is_initialized():
         return False
+    _check_reachable(address)
     try:
         ray.init(
             address=address,
@@ -296,6 +300,21 @@ def _connect(address: str | None) -> bool:
     except (ConnectionError, ValueError) as exc:
         raise ConfigError(f"cannot connect to Ray at {address!r}: {exc}") from exc
     return True
+
+
+def _check_reachable(address: str | None) -> None:
+    """Fail in seconds, not minutes, when nothing listens at a ``host:port`` address (Ray
+    itself retries for minutes). Other forms (``auto``, ``local``, ``ray://``) pass."""
+    match = re.fullmatch(r"([\w.\-]+):(\d+)", address or "")
+    if match is None:
+        return
+    try:
+        socket.create_connection((match[1], int(match[2])), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot reach a Ray cluster at {address}: {exc.strerror or exc}; start one there "
+            "with `ray start --head` or pass the right --address"
+        ) from exc
 
 
 def _place(

@@ -3,6 +3,7 @@ Ray is started. (Loads that reach Ray are tested in tests/ray_cluster/test_cli_l
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,15 @@ def test_load_unknown_placement_strategy_is_usage_error(
         main(["load", str(tiny_llama), "--tp", "2", "--placement-strategy", "RANDOM"])
     assert exited.value.code == 2
     assert "--placement-strategy" in capsys.readouterr().err
+
+
+def test_load_unreachable_address_exits_2_in_seconds(
+    tiny_llama: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    if ray.is_initialized():
+        pytest.skip("this process already has a Ray; --address is not used then")
+    assert main(["load", str(tiny_llama), "--tp", "1", "--address", f"127.0.0.1:{port}"]) == 2
+    assert f"cannot reach a Ray cluster at 127.0.0.1:{port}" in capsys.readouterr().err
