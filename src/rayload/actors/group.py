@@ -119,20 +119,22 @@ class RankActorGroup:
 
         return self._gather(waiting, deadline, "start", on_ready)
 
-    def measure_clocks(self, rounds: int = CLOCK_ROUNDS) -> None:
-        """Measure every rank's clock offset: ``rounds`` parallel round trips per rank."""
+    def measure_clocks(self, *, deadline: float, rounds: int = CLOCK_ROUNDS) -> RankFailure | None:
+        """Measure every rank's clock offset: ``rounds`` parallel round trips per rank (a
+        rank's receive time is taken as soon as its answer is ready)."""
         samples: dict[int, list[ClockSample]] = {rank: [] for rank in range(self.tp_size)}
         for _ in range(rounds):
             t_send = time.time_ns()
-            pending: dict[Any, int] = {
-                actor.clock.remote(): rank for rank, actor in enumerate(self.actors)
-            }
-            while pending:
-                ready, _ = ray.wait(list(pending), num_returns=1)
-                t_recv = time.time_ns()
-                rank = pending.pop(ready[0])
-                samples[rank].append((t_send, ray.get(ready[0]), t_recv))
+            waiting = {actor.clock.remote(): rank for rank, actor in enumerate(self.actors)}
+
+            def on_answer(rank: int, t_remote: int, t_send: int = t_send) -> None:
+                samples[rank].append((t_send, t_remote, time.time_ns()))
+
+            failure = self._gather(waiting, deadline, "answer a clock probe", on_answer)
+            if failure is not None:
+                return failure
         self.clock_offsets = {rank: best_clock_offset(s) for rank, s in samples.items()}
+        return None
 
     def spawn_interval(self, rank: int) -> tuple[int, int]:
         """``(start_ns, end_ns)`` of rank ``rank``'s spawn on the driver's clock: from the

@@ -29,7 +29,7 @@ def spawn_ranks(
     since_ns = time.time_ns()
     failure = group.spawn(deadline=deadline)
     if failure is None:
-        group.measure_clocks()
+        failure = group.measure_clocks(deadline=deadline)
     _record_spawns(trace, group)
     if failure is not None:
         _fail(trace, group, failure, answered=(), since_ns=since_ns, timeout=timeout)
