@@ -3,7 +3,10 @@ Ray is started. (Loads that reach Ray are tested in tests/ray_cluster/test_cli_l
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,13 +56,22 @@ def test_load_unknown_placement_strategy_is_usage_error(
     assert "--placement-strategy" in capsys.readouterr().err
 
 
-def test_load_unreachable_address_exits_2_in_seconds(
-    tiny_llama: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_load_unreachable_address_exits_2_in_seconds(tiny_llama: Path) -> None:
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    if ray.is_initialized():
-        pytest.skip("this process already has a Ray; --address is not used then")
-    assert main(["load", str(tiny_llama), "--tp", "1", "--address", f"127.0.0.1:{port}"]) == 2
-    assert f"cannot reach a Ray cluster at 127.0.0.1:{port}" in capsys.readouterr().err
+    argv = ["load", str(tiny_llama), "--tp", "1", "--address", f"127.0.0.1:{port}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    # A fresh process: one that already has a Ray would use it and ignore --address.
+    run = subprocess.run(
+        [sys.executable, "-m", "rayload.cli", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 2
+    assert run.stderr == (
+        f"rayload: error: cannot reach a Ray cluster at 127.0.0.1:{port}: Connection refused; "
+        "start one there with `ray start --head` or pass the right --address\n"
+    )
