@@ -1,5 +1,8 @@
 """One real local Ray cluster for every test under tests/ray_cluster, plus leak checks.
 
+The cluster is package-scoped (this directory is a package for that reason): it is shut
+down after the last test here, so test packages that run later start without Ray.
+
 The cluster has 2 CPUs and 4 *fake* GPUs (``num_gpus=4``): Ray schedules GPU bundles and
 sets ``CUDA_VISIBLE_DEVICES`` per actor as on a GPU node, while torch (CPU build) sees no
 CUDA, so ``device="auto"`` resolves to ``cpu``. The dashboard is on (on a free port)
@@ -60,7 +63,7 @@ class RayCluster:
     node_id: str
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_cluster() -> Iterator[RayCluster]:
     context = ray.init(
         address="local",
