@@ -84,6 +84,7 @@ class LoadResult:
 
     def shard(self, rank: int, name: str) -> Any:
         """A CPU copy of rank ``rank``'s tensor ``name`` (KeyError if the rank has none)."""
+        self._check_open()
         if not 0 <= rank < len(self.actors):
             raise IndexError(f"rank {rank} out of range for tp_size {len(self.actors)}")
         return self._call(rank, self.actors[rank].shard.remote(name))
@@ -93,6 +94,7 @@ class LoadResult:
         that rank's :class:`~rayload.actors.records.RankState` (its resident tensors, rank,
         device); return the results in rank order. This is how an engine builds its model
         from the loaded weights without moving them."""
+        self._check_open()
         refs = [actor.apply.remote(fn, *args, **kwargs) for actor in self.actors]
         return [self._call(rank, ref) for rank, ref in enumerate(refs)]
 
@@ -113,6 +115,12 @@ class LoadResult:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+    def _check_open(self) -> None:
+        if self._group is None:
+            raise RuntimeError(
+                f"load {self.trace_id} is closed: its rank actors and weights are gone"
+            )
 
     def _call(self, rank: int, ref: ray.ObjectRef) -> Any:
         try:

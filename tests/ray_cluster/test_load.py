@@ -144,6 +144,8 @@ def test_close_is_idempotent_and_releases_actors_and_group(
     result.close()
     result.close()
     assert result.actors == []
+    with pytest.raises(RuntimeError, match="is closed"):
+        result.shard(0, "model.norm.weight")
     assert ray.util.placement_group_table()[group_id]["state"] == "REMOVED"
 
 
