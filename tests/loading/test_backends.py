@@ -306,6 +306,29 @@ def test_converted_raises_naming_file_when_checksum_is_wrong(
     assert "CRC-32" in str(info.value)
 
 
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_converted_small_chunks_still_catch_a_flipped_byte(
+    converted: Path, probe: EnvProbe, where: str
+) -> None:
+    """4 KiB chunks: the file's CRC-32 is combined from many per-chunk CRC-32s."""
+    checkpoint = open_checkpoint(converted)
+    plan = plan_shards(checkpoint, 2).ranks[0]
+    backend = BACKENDS[LoadMethod.CONVERTED](
+        probe, checkpoint=checkpoint, options=ReaderOptions(threads=3, chunk_bytes=4096)
+    )
+    backend.load(plan, CPU, PhaseTimer())  # intact: the combined CRC-32 matches
+    victim = plan.files[0]
+    at = 9 if where == "first" else os.path.getsize(victim) - 1  # header / last data byte
+    with open(victim, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(CheckpointError, match="CRC-32") as info:
+        backend.load(plan, CPU, PhaseTimer())
+    assert info.value.file == victim
+
+
 def test_converted_raises_naming_file_when_size_differs(converted: Path, probe: EnvProbe) -> None:
     checkpoint = open_checkpoint(converted)
     plan = plan_shards(checkpoint, 2).ranks[1]

@@ -10,8 +10,10 @@ that touch in the file are merged into one ``os.preadv`` with one buffer per seg
 consecutive reads so a thread hand-off costs one per ``chunk_bytes``, not one per row.
 
 :func:`run_reads` executes the batches on a thread pool, at most ``window`` in flight,
-and hands each finished batch over *in order* (so a running checksum can follow the
-file). Two sinks decide where bytes land:
+and releases each finished batch to its sink in order. An ``on_read`` hook runs on the
+reader thread right after each read, while the bytes are fresh (the converted backend's
+checksums: CPU work spread over the reader threads, overlapping the other threads'
+reads, never holding up the next read). Two sinks decide where bytes land:
 
 * :class:`HostSink`: straight into the destination host buffers (CPU loads, convert).
 * :class:`StagedDeviceSink`: into a ring of pinned host buffers, then ``non_blocking``
@@ -169,6 +171,10 @@ def _split_rows(seg: Segment, chunk_bytes: int) -> Iterator[Segment]:
 Views = list[list[memoryview]]
 """Per read of a batch, the buffers ``os.preadv`` fills."""
 
+ReadHook = Callable[["Read", list[memoryview]], None]
+"""Called with each read and the buffers it filled, on the reader thread, right after the
+read; reads of one run call it concurrently and in no particular order."""
+
 
 class Sink(Protocol):
     """Where a batch's bytes land: ``acquire`` gives the buffers to read into,
@@ -271,12 +277,13 @@ def run_reads(
     sink: Sink,
     options: ReaderOptions,
     *,
-    on_read: Callable[[Read, list[memoryview]], None] | None = None,
+    on_read: ReadHook | None = None,
 ) -> int:
     """Execute ``batches`` into ``sink`` on ``options.threads`` threads, at most
     ``options.window`` in flight; return the bytes read (the sum of what ``os.preadv``
-    returned). ``on_read`` sees every read in order, before its batch is released. A file
-    shorter than a read is a CheckpointError naming it."""
+    returned). ``on_read`` (thread-safe) sees every read on the thread that performed it,
+    before its batch is released. A file shorter than a read is a CheckpointError naming
+    it."""
     total = 0
     files = (r.file for b in batches for r in b.reads)
     with (
@@ -287,36 +294,32 @@ def run_reads(
         try:
             for batch in batches:
                 if len(inflight) >= options.window:
-                    total += _finish(inflight.popleft(), sink, on_read)
+                    total += _finish(inflight.popleft(), sink)
                 views = sink.acquire(batch)
-                inflight.append((batch, views, pool.submit(_pread_batch, fds, batch, views)))
+                future = pool.submit(_pread_batch, fds, batch, views, on_read)
+                inflight.append((batch, views, future))
             while inflight:
-                total += _finish(inflight.popleft(), sink, on_read)
+                total += _finish(inflight.popleft(), sink)
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)
             raise
     return total
 
 
-def _finish(
-    item: tuple[Batch, Views, Future[int]],
-    sink: Sink,
-    on_read: Callable[[Read, list[memoryview]], None] | None,
-) -> int:
+def _finish(item: tuple[Batch, Views, Future[int]], sink: Sink) -> int:
     batch, views, future = item
     n = future.result()
-    if on_read is not None:
-        for read, read_views in zip(batch.reads, views, strict=True):
-            on_read(read, read_views)
     sink.release(batch, views)
     return n
 
 
-def _pread_batch(fds: dict[str, int], batch: Batch, views: Views) -> int:
-    return sum(
-        _pread_all(fds[read.file], read, read_views)
-        for read, read_views in zip(batch.reads, views, strict=True)
-    )
+def _pread_batch(fds: dict[str, int], batch: Batch, views: Views, on_read: ReadHook | None) -> int:
+    total = 0
+    for read, read_views in zip(batch.reads, views, strict=True):
+        total += _pread_all(fds[read.file], read, read_views)
+        if on_read is not None:
+            on_read(read, read_views)
+    return total
 
 
 def _pread_all(fd: int, read: Read, views: list[memoryview]) -> int:
@@ -459,7 +462,7 @@ def read_segments(
     device: torch.device,
     options: ReaderOptions,
     *,
-    on_read: Callable[[Read, list[memoryview]], None] | None = None,
+    on_read: ReadHook | None = None,
 ) -> tuple[list[torch.Tensor], Sink, int]:
     """Allocate one byte buffer of ``sizes[i]`` per destination on ``device`` and read
     ``segments`` into them. Returns the buffers, the sink (call ``finish()`` before using
