@@ -45,6 +45,7 @@ from rayload.tracing import (
     export_otlp,
     prepare_trace_dir,
     publish_ray_metrics,
+    schema,
     startup_metrics,
     write_trace_files,
 )
@@ -164,6 +165,7 @@ def load(
     Raises :class:`~rayload.errors.InputError` (bad input, before any actor starts),
     :class:`~rayload.errors.RankFailedError` or :class:`~rayload.errors.RankTimeoutError`.
     """
+    start_ns = time.time_ns()
     source = _validate(path, tp_size, method, device, placement_strategy, timeout, model_role)
     checkpoint = open_checkpoint(source)
     if isinstance(rules, str | os.PathLike):
@@ -174,8 +176,14 @@ def load(
     outputs.prepare()
     hooks = hooks_from_env()
     deadline = time.monotonic() + timeout
+    prepared_ns = time.time_ns()
     started_ray = _connect(address)
-    trace = StartupTrace(tp_size=tp_size, model_role=model_role)
+    connected_ns = time.time_ns()
+    # The root span starts where the load started, so driver-side config parsing and Ray
+    # start-up are inside the trace's total, as their own spans.
+    trace = StartupTrace(tp_size=tp_size, model_role=model_role, start_ns=start_ns)
+    trace.add_span(schema.PREPARE_SPAN, start_ns, prepared_ns, {"tp_size": tp_size})
+    trace.add_span(schema.CONNECT_SPAN, prepared_ns, connected_ns, {"ray.started": started_ray})
     placement: RankPlacement | None = None
     group: RankActorGroup | None = None
     try:

@@ -45,6 +45,7 @@ def _tracing_receivers() -> Any:
 
 
 otlp_http_receiver = _tracing_receivers().otlp_http_receiver
+otlp_grpc_receiver = _tracing_receivers().otlp_grpc_receiver
 black_hole = _tracing_receivers().black_hole
 
 

@@ -2,7 +2,9 @@
 
 Span tree::
 
-    rayload.load                  driver, root; one per rayload.load()
+    rayload.load                  driver, root; one per rayload.load(), from its first line
+    ├── rayload.prepare           driver: arguments, config.json, headers, shard plan
+    ├── rayload.connect           driver: ray.init (start a local Ray or join a cluster)
     ├── rayload.placement         driver: placement group created and ready
     ├── rayload.spawn             driver, one per rank: actor process launch to ready
     └── rank.load                 rank process, one per rank
@@ -30,6 +32,8 @@ from opentelemetry.util.types import AttributeValue
 from rayload.loading.report import PHASES
 
 ROOT_SPAN = "rayload.load"
+PREPARE_SPAN = "rayload.prepare"
+CONNECT_SPAN = "rayload.connect"
 PLACEMENT_SPAN = "rayload.placement"
 SPAWN_SPAN = "rayload.spawn"
 RANK_SPAN = "rank.load"

@@ -49,7 +49,10 @@ class StartupTrace:
         model_role: str = "main",
         service_name: str = schema.DRIVER_SERVICE,
         clock: Callable[[], int] = time.time_ns,
+        start_ns: int | None = None,
     ) -> None:
+        """``start_ns`` backdates the root span to when the load really began (before the
+        driver parsed config and headers and started Ray); default: now."""
         self._clock = clock
         self._tp_size = tp_size
         self._model_role = model_role
@@ -68,7 +71,7 @@ class StartupTrace:
         self._root = self._tracer.start_span(
             schema.ROOT_SPAN,
             context=Context(),
-            start_time=clock(),
+            start_time=clock() if start_ns is None else start_ns,
             attributes=schema.rayload_attributes({"tp_size": tp_size, "model_role": model_role}),
         )
         self._root_context = trace_api.set_span_in_context(self._root)
