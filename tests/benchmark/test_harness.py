@@ -11,6 +11,8 @@ import torch
 from rayload.benchmark import BenchConfig
 from rayload.benchmark.cases import CASES
 
+TRACING = "tracing overhead on rayload.load"
+
 
 def _samples(result: dict[str, Any], case: str) -> list[dict[str, Any]]:
     return [s for s in result["samples"] if s["case"] == case]
@@ -115,8 +117,8 @@ def test_targets_are_evaluated_for_the_largest_tp(bench_result: dict[str, Any]) 
     names = {t["name"]: t for t in bench_result["targets"]}
     assert names["scratch cold vs limit"]["met"] in (True, False)
     assert names["converted warm peak RSS per rank"]["met"] in (True, False)
-    assert all(t["measured"] != "not measured" for t in names.values() if "trace" not in t["name"])
-    assert names["trace files overhead on rayload.load"]["met"] is None  # startup=False here
+    assert all(t["measured"] != "not measured" for t in names.values() if t["name"] != TRACING)
+    assert names[TRACING]["met"] is None  # startup=False here
 
 
 def test_amplification_by_kind_covers_both_kinds_and_rayload_cases(

@@ -25,6 +25,11 @@ def test_measure_startup_splits_each_load_into_its_parts(bench_checkpoint: Path)
         )
         assert parts <= run["wall_s"]
         assert run["other_s"] == pytest.approx(run["wall_s"] - parts)
+        tracing = run["tracing"]
+        assert tracing["pct_of_load"] == pytest.approx(
+            100 * tracing["critical_path_s"] / run["wall_s"]
+        )
+    assert result["tracing"]["critical_path_s"] > 0
     off, on = result["without_trace_files"], result["with_trace_files"]
     assert result["trace_overhead_pct"] == pytest.approx(
         100 * (on["wall_s"] - off["wall_s"]) / off["wall_s"]

@@ -161,7 +161,29 @@ def _breakdown(b: dict[str, Any]) -> str:
         rows.append([label, f"{off[key]:.3f}", f"{on[key]:.3f}"])
     lines = [f"TP={b['tp_size']}, method {b['method']}, warm page cache."]
     lines.append("\n".join("| " + " | ".join(r) + " |" for r in rows))
+    if "tracing" in b:
+        lines.append(_tracing(b["tracing"]))
     return "\n\n".join(lines)
+
+
+def _tracing(t: dict[str, Any]) -> str:
+    """The timed tracing work (rayload.benchmark.tracecost), median over every load."""
+    rows = [["tracing step (median, ms)", "time"], ["---", "---"]]
+    for key, label in (
+        ("rank_payload_s", "rank: spans -> OTLP bytes (one rank)"),
+        ("rank_payload_max_s", "rank: spans -> OTLP bytes (slowest rank)"),
+        ("merge_s", "driver: trace, decode + clock-correct rank spans, finish"),
+        ("files_s", "driver: write the 4 trace files"),
+        ("otlp_encode_s", "driver: OTLP protobuf for an exporter"),
+        ("critical_path_s", "critical path (slowest rank + driver steps)"),
+    ):
+        rows.append([label, f"{1000 * t[key]:.1f}"])
+    table = "\n".join("| " + " | ".join(r) + " |" for r in rows)
+    return (
+        f"Tracing work, replayed on each load's rank reports ({t['spans']:.0f} spans): "
+        f"{t['pct_of_load']:.2f}% of the whole `rayload.load`, "
+        f"{t['pct_of_model_loading']:.1f}% of the ranks' model loading.\n\n{table}"
+    )
 
 
 def chart(summaries: Sequence[CaseSummary], caches: Sequence[str], path: Path) -> bool:
