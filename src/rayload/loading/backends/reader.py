@@ -286,10 +286,8 @@ def run_reads(
     it."""
     total = 0
     files = (r.file for b in batches for r in b.reads)
-    with (
-        _open_files(files) as fds,
-        ThreadPoolExecutor(options.threads, thread_name_prefix="rayload-read") as pool,
-    ):
+    pool = ThreadPoolExecutor(options.threads, thread_name_prefix="rayload-read")
+    with _open_files(files) as fds:
         inflight: deque[tuple[Batch, Views, Future[int]]] = deque()
         try:
             for batch in batches:
@@ -301,8 +299,12 @@ def run_reads(
             while inflight:
                 total += _finish(inflight.popleft(), sink)
         except BaseException:
+            # Threads may still be reading into the buffers or from the files: wait.
             pool.shutdown(wait=True, cancel_futures=True)
             raise
+    # Every read has finished: the idle threads exit on their own. Joining them would
+    # wait for a wake-up per thread (0.2 ms median here, several ms on a busy machine).
+    pool.shutdown(wait=False)
     return total
 
 
