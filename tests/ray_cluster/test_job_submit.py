@@ -78,6 +78,9 @@ def head_node() -> Iterator[HeadNode]:
     gcs, dashboard, client, agent, agent_grpc, metrics, runtime_env = _free_ports(7)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["RAY_AUTH_MODE"] = "disabled"
+    # The job's entrypoint runs `python`: make it this virtualenv's, as an activated
+    # environment would, even when the tests run as .venv/bin/python without activation.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     command = [
         RAY, "start", "--head", "--block",
         "--node-ip-address", "127.0.0.1",

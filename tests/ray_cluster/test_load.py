@@ -77,22 +77,23 @@ def test_load_dummy_gives_planned_shapes_and_dtypes_without_reading(
                 assert got.dtype == torch_dtype(shard.dtype)
 
 
-def _gpu_view(state: RankState) -> dict[str, Any]:
-    return {
-        "rank": state.rank,
-        "device": state.device,
-        "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-    }
-
-
 def test_load_on_gpu_cluster_gives_each_rank_its_own_gpu_and_local_device(
     tiny_llama: Path, no_leaks: object
 ) -> None:
+    # Defined here, not at module level: a nested function travels to the actors by value,
+    # whereas a test module's top-level function would have to be importable there.
+    def gpu_view(state: RankState) -> dict[str, Any]:
+        return {
+            "rank": state.rank,
+            "device": state.device,
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
+
     with rayload.load(tiny_llama, tp_size=4, method="scratch", device="auto") as result:
         bundles = result.placement.bundles
         assert len(bundles) == 4 and all(b.get("GPU") == 1.0 for b in bundles)
-        views = result.apply(_gpu_view)
+        views = result.apply(gpu_view)
     assert [v["rank"] for v in views] == [0, 1, 2, 3]
     visible = [v["cuda_visible_devices"] for v in views]
     assert sorted(visible) == ["0", "1", "2", "3"], "every rank sees exactly its own GPU"
