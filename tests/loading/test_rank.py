@@ -177,6 +177,34 @@ def test_converted_checkpoint_for_other_tp_is_an_error(converted_dirs: dict[int,
     assert info.value.file == str(converted_dirs[2] / "rayload-manifest.json")
 
 
+@pytest.mark.parametrize("method", ["scratch", "fastsafetensors", "converted", "auto"])
+def test_flipped_data_byte_in_converted_file_raises_for_every_reading_method(
+    mixed_dtype_checkpoint: Path, tmp_path: Path, method: str
+) -> None:
+    converted = convert_checkpoint(mixed_dtype_checkpoint, tmp_path / "tp2", 2)
+    victim = converted / "model-rank-1-part-0.safetensors"
+    with open(victim, "r+b") as f:  # the last byte is tensor data; size unchanged
+        f.seek(-1, 2)
+        byte = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    load_rank(converted, 0, 2, method)  # rank 0's files are intact
+    with pytest.raises(CheckpointError, match="CRC-32") as info:
+        load_rank(converted, 1, 2, method)
+    assert info.value.file == str(victim)
+
+
+def test_fastsafetensors_on_converted_checkpoint_verifies_files_in_resolve(
+    converted_dirs: dict[int, Path],
+) -> None:
+    _, report = load_rank(converted_dirs[2], 1, 2, "fastsafetensors")
+    assert report.method.effective is LoadMethod.FASTSAFETENSORS
+    assert report.method.fallback_reason is None
+    resolve_phase = report.phases[0]
+    assert resolve_phase.name == "rank.resolve"
+    assert resolve_phase.attributes["checksums_verified"] == 1
+
+
 @pytest.mark.parametrize(("rank", "tp"), [(2, 2), (-1, 2), (0, 0)])
 def test_rank_out_of_range_is_config_error(
     mixed_dtype_checkpoint: Path, rank: int, tp: int

@@ -98,12 +98,14 @@ def test_auto_never_falls_back_even_when_strict() -> None:
     ("method", "probe", "layout"),
     [
         ("scratch", NO_FST, HF),
-        ("scratch", NO_FST, CONVERTED_TP2),
         ("dummy", NO_FST, HF),
         ("converted", NO_FST, CONVERTED_TP2),
         ("fastsafetensors", CPU_ONLY, HF),
         ("fastsafetensors", GPU_NO_GDS, HF),
         ("fastsafetensors_gdr", GPU_GDS, HF),
+        ("fastsafetensors", CPU_ONLY, CONVERTED_TP2),
+        ("fastsafetensors_gdr", GPU_GDS, CONVERTED_TP2),
+        ("dummy", NO_FST, CONVERTED_TP2),
     ],
 )
 def test_requested_method_is_selected_when_it_can_run(
@@ -127,6 +129,23 @@ def test_converted_on_hf_layout_falls_back_to_scratch_with_convert_hint() -> Non
     assert res.fallback_reason is not None
     assert "no rayload-manifest.json in /ckpt/hf" in res.fallback_reason
     assert "rayload convert /ckpt/hf OUT --tp 4" in res.fallback_reason
+
+
+def test_scratch_on_converted_layout_resolves_to_converted_which_checks_crc() -> None:
+    res = resolve("scratch", GPU_GDS, CONVERTED_TP2)
+    assert (res.requested, res.selected) == (LoadMethod.SCRATCH, LoadMethod.CONVERTED)
+    assert res.fallback_reason == (
+        "checkpoint is pre-sharded by `rayload convert`: its rank files are read by the "
+        "converted method, which verifies the manifest checksums"
+    )
+
+
+def test_fastsafetensors_missing_on_converted_layout_ends_at_converted() -> None:
+    res = resolve("fastsafetensors", NO_FST, CONVERTED_TP2)
+    assert res.selected is LoadMethod.CONVERTED
+    assert res.fallback_reason is not None
+    assert res.fallback_reason.startswith("fastsafetensors is not installed")
+    assert "pre-sharded by `rayload convert`" in res.fallback_reason
 
 
 @pytest.mark.parametrize("method", ["fastsafetensors", "fastsafetensors_gdr"])
@@ -167,6 +186,7 @@ def test_gdr_without_gds_falls_back_to_bounce_buffer(probe: EnvProbe, missing: s
     ("method", "probe", "layout", "reason_part"),
     [
         ("converted", GPU_GDS, HF, "rayload-manifest.json"),
+        ("scratch", NO_FST, CONVERTED_TP2, "pre-sharded by `rayload convert`"),
         ("fastsafetensors", NO_FST, HF, "not installed"),
         ("fastsafetensors_gdr", GPU_NO_GDS, HF, "GPUDirect Storage is unavailable"),
         ("fastsafetensors_gdr", CPU_ONLY, HF, "device is cpu"),

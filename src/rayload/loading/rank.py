@@ -1,7 +1,9 @@
 """Load one TP rank in the current process: no Ray needed.
 
 :func:`load_rank` is the whole rank load in order, one :class:`PhaseTimer` phase per step:
-``rank.resolve`` (headers, environment probe, method and device), ``rank.plan`` (this
+``rank.resolve`` (headers, environment probe, method and device; for fastsafetensors on a
+converted checkpoint also the CRC-32 of the rank's files, which that backend does not
+check), ``rank.plan`` (this
 rank's byte ranges), the backend's ``rank.read`` / ``rank.to_device`` / ``rank.sync``,
 then ``rank.post_load``. The Ray rank actor calls it with its own timer so the phases of a
 failed load survive the exception.
@@ -16,7 +18,8 @@ import torch
 
 from rayload.errors import ConfigError, MethodUnavailableError
 from rayload.loading.backends import BACKENDS, ReaderOptions
-from rayload.loading.checkpoint import open_checkpoint
+from rayload.loading.checkpoint import Checkpoint, open_checkpoint
+from rayload.loading.manifest import verify_file_checksum
 from rayload.loading.methods import LoadMethod, MethodReport
 from rayload.loading.plan import plan_shards
 from rayload.loading.probe import EnvProbe, probe_environment
@@ -28,6 +31,10 @@ PostLoad = Callable[[dict[str, torch.Tensor]], object]
 """Post-load work on the loaded tensors (e.g. weight processing); its result is ignored."""
 
 _MODEL_ROLES = ("main", "draft")
+
+_UNCHECKED_METHODS = frozenset({LoadMethod.FASTSAFETENSORS, LoadMethod.FASTSAFETENSORS_GDR})
+"""Methods that can read a converted checkpoint's rank files but do not check their
+CRC-32s themselves (the converted backend does, while it reads)."""
 
 
 def load_rank(
@@ -81,6 +88,8 @@ def load_rank(
         )
         if resolution.fallback_reason is not None:
             attrs["fallback_reason"] = resolution.fallback_reason
+        if resolution.selected in _UNCHECKED_METHODS and checkpoint.layout == "converted":
+            attrs["checksums_verified"] = _verify_rank_files(checkpoint, rank)
     log_fallback(rank, resolution.requested, resolution.selected, resolution.fallback_reason)
 
     with timer.phase("rank.plan") as attrs:
@@ -124,6 +133,17 @@ def load_rank(
         model_role=model_role,
     )
     return tensors, report
+
+
+def _verify_rank_files(checkpoint: Checkpoint, rank: int) -> int:
+    """Check the CRC-32 of each of ``rank``'s files of a converted checkpoint against its
+    manifest (CheckpointError naming the file when one differs); returns how many files
+    were checked. Reads every file once more, before the backend reads it."""
+    assert checkpoint.manifest is not None and checkpoint.rank_files is not None
+    files = checkpoint.rank_files[rank]
+    for path in files:
+        verify_file_checksum(path, checkpoint.manifest.files[os.path.basename(path)])
+    return len(files)
 
 
 def _check_rank(rank: int, tp_size: int, model_role: str) -> None:

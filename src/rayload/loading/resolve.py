@@ -187,7 +187,13 @@ def _fallback(
     method: LoadMethod, probe: EnvProbe, layout_info: LayoutInfo, device: str, tp_size: int
 ) -> tuple[LoadMethod, str] | None:
     """The method to try instead of ``method`` and why, or None when ``method`` can run
-    here. Scratch and dummy always can, so repeated fallback ends."""
+    here. Dummy always can, scratch on a Hugging Face layout and converted on a converted
+    one too, so repeated fallback ends."""
+    if method is LoadMethod.SCRATCH and layout_info.layout == "converted":
+        return LoadMethod.CONVERTED, (
+            "checkpoint is pre-sharded by `rayload convert`: its rank files are read by the "
+            "converted method, which verifies the manifest checksums"
+        )
     if method is LoadMethod.CONVERTED and layout_info.layout != "converted":
         return LoadMethod.SCRATCH, (
             f"no {MANIFEST_NAME} in {layout_info.root}; run `rayload convert "
