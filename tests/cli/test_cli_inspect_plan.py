@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -114,6 +115,18 @@ def test_corrupt_header_exits_2_naming_file(
 ) -> None:
     bad = write_raw_safetensors(tmp_path / "model.safetensors", {"w": {"dtype": "F32"}})
     _assert_one_line_error(_run("inspect", str(tmp_path)), str(bad), "'w'")
+
+
+@pytest.mark.parametrize("command", ["inspect", "plan"])
+@pytest.mark.parametrize("architectures", ["5", '"LlamaForCausalLM"'])
+def test_bad_architectures_in_config_exits_2_naming_config(
+    tiny_llama: Path, tmp_path: Path, command: str, architectures: str
+) -> None:
+    root = tmp_path / "c"
+    shutil.copytree(tiny_llama, root)
+    (root / "config.json").write_text(f'{{"architectures": {architectures}}}')
+    args = [command, str(root)] + (["--tp", "2"] if command == "plan" else [])
+    _assert_one_line_error(_run(*args), str(root / "config.json"), "'architectures'")
 
 
 def test_inspect_and_plan_of_converted_checkpoint(

@@ -184,6 +184,33 @@ def test_invalid_config_json_names_it(tiny_llama: Path, tmp_path: Path) -> None:
     _expect(root, file=root / "config.json", tensor=None, match="model config is not valid JSON")
 
 
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ('{"architectures": 5}', r"'architectures' is 5, not a list of class names"),
+        ('{"architectures": "LlamaForCausalLM"}', r"'architectures' is 'LlamaForCausalLM'"),
+        ('{"architectures": ["LlamaForCausalLM", 3]}', r"not a list of class names"),
+        ('["LlamaForCausalLM"]', r"model config is a JSON list, not an object"),
+    ],
+    ids=["int", "string", "list-with-int", "top-level-list"],
+)
+def test_malformed_config_json_names_it_and_says_what_to_fix(
+    tiny_llama: Path, tmp_path: Path, config: str, match: str
+) -> None:
+    root = tmp_path / "c"
+    shutil.copytree(tiny_llama, root)
+    (root / "config.json").write_text(config)
+    error = _expect(root, file=root / "config.json", tensor=None, match=match)
+    assert "fix it to" in str(error)
+
+
+def test_config_json_without_architectures_is_accepted(tiny_llama: Path, tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    shutil.copytree(tiny_llama, root)
+    (root / "config.json").write_text('{"hidden_size": 64}')
+    assert open_checkpoint(root).architecture is None
+
+
 def test_missing_path_is_reported(tmp_path: Path) -> None:
     _expect(tmp_path / "nope", file=tmp_path / "nope", tensor=None, match="no such file")
 

@@ -335,5 +335,18 @@ def _read_config(root: str) -> Mapping[str, Any] | None:
         return None
     config = read_json(path, what="model config")
     if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: the model config is not a JSON object", file=path)
+        raise CheckpointError(
+            f"{path}: the model config is a JSON {type(config).__name__}, not an object; "
+            f'fix it to {{"architectures": ["...ForCausalLM"], ...}} or remove it',
+            file=path,
+        )
+    architectures = config.get("architectures")
+    if architectures is not None and not (
+        isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)
+    ):
+        raise CheckpointError(
+            f"{path}: 'architectures' is {architectures!r}, not a list of class names; "
+            f'fix it to e.g. ["LlamaForCausalLM"] (the sharding preset is chosen from it)',
+            file=path,
+        )
     return config
