@@ -64,6 +64,13 @@ def test_convert_missing_checkpoint_exits_2(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+def test_convert_to_unwritable_output_exits_2(tiny_llama: Path, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "out"
+    result = _run("convert", str(tiny_llama), str(out), "--tp", "2")
+    _assert_one_line_error(result, str(out), "cannot write", "writable directory")
+
+
 def test_convert_tp_not_dividing_exits_2(tiny_llama: Path, tmp_path: Path) -> None:
     result = _run("convert", str(tiny_llama), str(tmp_path / "out"), "--tp", "3")
     _assert_one_line_error(result, "not divisible by tp=3")

@@ -110,6 +110,12 @@ def test_bad_input_exits_2_with_one_line(
     _assert_one_line_error(_run(*make_args(tiny_llama, tmp_path)), *needles)
 
 
+def test_make_checkpoint_to_unwritable_output_exits_2(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "mk"
+    _assert_one_line_error(_run("make-checkpoint", str(out)), str(out), "cannot write")
+
+
 def test_corrupt_header_exits_2_naming_file(
     tmp_path: Path, write_raw_safetensors: Callable[..., Path]
 ) -> None:

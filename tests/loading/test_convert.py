@@ -162,6 +162,18 @@ def test_failed_conversion_leaves_no_partial_checkpoint(
     assert not (tmp_path / "out").exists()
 
 
+def test_unwritable_output_raises_config_error_and_leaves_nothing(
+    mixed_dtype_checkpoint: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "file").write_text("a regular file, not a directory")
+    out = tmp_path / "file" / "out"
+    with pytest.raises(ConfigError, match="cannot write") as info:
+        convert_checkpoint(mixed_dtype_checkpoint, out, 2)
+    assert str(info.value).startswith(f"{out}: cannot write (Not a directory)")
+    assert "choose a writable directory with free space" in str(info.value)
+    assert (tmp_path / "file").read_text() == "a regular file, not a directory"
+
+
 def test_converted_output_is_auto_selected_and_exact_at_tp4(
     mixed_dtype_checkpoint: Path, tmp_path: Path, reference_shard: Reference
 ) -> None:

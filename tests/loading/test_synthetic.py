@@ -133,3 +133,25 @@ def test_llama_1b_one_layer_writes_and_opens(tmp_path: Path) -> None:
     assert ckpt.tensors["model.embed_tokens.weight"].shape == (128256, 2048)
     assert len(ckpt.files) == 3  # 0.65 GB at 256 MiB per file
     assert plan_shards(ckpt, 8).unmatched == ()
+
+
+def test_output_under_a_regular_file_raises_config_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "out"
+    with pytest.raises(ConfigError) as info:
+        write_checkpoint(out)
+    assert str(info.value) == (
+        f"{out}: cannot write (Not a directory); choose a writable directory with free space"
+    )
+
+
+def test_disk_full_mid_write_raises_config_error_and_removes_written_files(
+    tmp_path: Path,
+) -> None:
+    """config.json, written last, is a link to /dev/full: every write to it is ENOSPC."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "config.json").symlink_to("/dev/full")
+    with pytest.raises(ConfigError, match=r"cannot write \(No space left on device\)"):
+        write_checkpoint(out)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]

@@ -25,10 +25,10 @@ from typing import BinaryIO
 
 import torch
 
-from rayload.errors import ConfigError
+from rayload.errors import CheckpointError, ConfigError
 from rayload.loading.backends.base import ReaderOptions
 from rayload.loading.backends.reader import host_view, read_segments, shard_segments
-from rayload.loading.checkpoint import INDEX_NAME, open_checkpoint
+from rayload.loading.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from rayload.loading.dtypes import DTYPES
 from rayload.loading.manifest import (
     FORMAT_VERSION,
@@ -38,8 +38,9 @@ from rayload.loading.manifest import (
     rank_file_name,
     write_manifest,
 )
-from rayload.loading.plan import RankPlan, TensorShard, plan_shards
-from rayload.loading.rules import RulesArg, resolve_rules
+from rayload.loading.output import writing_to
+from rayload.loading.plan import RankPlan, ShardPlan, TensorShard, plan_shards
+from rayload.loading.rules import RulesArg, RuleSet, resolve_rules
 
 log = logging.getLogger(__name__)
 
@@ -93,36 +94,50 @@ def convert_checkpoint(
     options = reader_options or ReaderOptions()
 
     created = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with writing_to(out_dir):
+        out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        ranks: dict[int, list[str]] = {}
-        files: dict[str, FileEntry] = {}
-        for rank_plan in plan.ranks:
-            ranks[rank_plan.rank] = []
-            for part, shards in enumerate(_parts(rank_plan, part_bytes)):
-                name = rank_file_name(rank_plan.rank, part)
-                files[name] = _write_rank_file(out_dir / name, shards, rank_plan, options)
-                ranks[rank_plan.rank].append(name)
-                log.info("wrote %s (%d tensors)", name, len(shards))
-        first_rank = plan.ranks[0].shards
-        manifest = Manifest.model_validate(
-            {
-                "format_version": FORMAT_VERSION,
-                "tp_size": tp_size,
-                "architecture": checkpoint.architecture,
-                "rules": [rule.to_spec() for rule in ruleset.rules],
-                "ranks": ranks,
-                "files": files,
-                "splits": dict(plan.splits),
-                "full_shapes": {s.name: list(s.full_shape) for s in first_rank},
-            }
-        )
-        _copy_side_files(Path(checkpoint.root), out_dir)
-        write_manifest(manifest, out_dir)
+        with writing_to(out_dir):
+            _write_converted(checkpoint, plan, ruleset, out_dir, part_bytes, options)
     except BaseException:
         _remove_partial(out_dir, created)
         raise
     return out_dir
+
+
+def _write_converted(
+    checkpoint: Checkpoint,
+    plan: ShardPlan,
+    ruleset: RuleSet,
+    out_dir: Path,
+    part_bytes: int,
+    options: ReaderOptions,
+) -> None:
+    """Write the rank files, the side files and the manifest into ``out_dir``."""
+    ranks: dict[int, list[str]] = {}
+    files: dict[str, FileEntry] = {}
+    for rank_plan in plan.ranks:
+        ranks[rank_plan.rank] = []
+        for part, shards in enumerate(_parts(rank_plan, part_bytes)):
+            name = rank_file_name(rank_plan.rank, part)
+            files[name] = _write_rank_file(out_dir / name, shards, rank_plan, options)
+            ranks[rank_plan.rank].append(name)
+            log.info("wrote %s (%d tensors)", name, len(shards))
+    first_rank = plan.ranks[0].shards
+    manifest = Manifest.model_validate(
+        {
+            "format_version": FORMAT_VERSION,
+            "tp_size": plan.tp_size,
+            "architecture": checkpoint.architecture,
+            "rules": [rule.to_spec() for rule in ruleset.rules],
+            "ranks": ranks,
+            "files": files,
+            "splits": dict(plan.splits),
+            "full_shapes": {s.name: list(s.full_shape) for s in first_rank},
+        }
+    )
+    _copy_side_files(Path(checkpoint.root), out_dir)
+    write_manifest(manifest, out_dir)
 
 
 def _parts(plan: RankPlan, part_bytes: int) -> Iterator[list[TensorShard]]:
@@ -171,12 +186,27 @@ def _write_rank_file(
         for chunk in (len(raw).to_bytes(8, "little"), raw):
             size += _write(f, memoryview(chunk), crc)
         for batch in _batches(ordered):
-            buffers, _, _ = read_segments(
-                shard_segments(batch), [s.nbytes for s in batch], torch.device("cpu"), options
-            )
-            for buffer in buffers:
+            for buffer in _read_batch(batch, options):
                 size += _write(f, host_view(buffer), crc)
     return FileEntry(size=size, crc32=crc.hexdigest())
+
+
+def _read_batch(batch: Sequence[TensorShard], options: ReaderOptions) -> list[torch.Tensor]:
+    """The source bytes of ``batch``, one CPU buffer per shard. A failed read is the
+    source checkpoint's problem (CheckpointError), not the output's."""
+    segments = shard_segments(batch)
+    try:
+        buffers, _, _ = read_segments(
+            segments, [s.nbytes for s in batch], torch.device("cpu"), options
+        )
+    except OSError as exc:
+        file = segments[0].file if segments else "?"
+        raise CheckpointError(
+            f"{file}: cannot read tensor data ({exc.strerror or exc}); check the source "
+            "checkpoint's storage",
+            file=file,
+        ) from exc
+    return buffers
 
 
 def _batches(shards: Sequence[TensorShard]) -> Iterator[list[TensorShard]]:

@@ -13,6 +13,7 @@ so bit-identical comparisons with ``torch.equal`` work) and of magnitude below 2
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import zlib
@@ -26,6 +27,9 @@ import numpy as np
 from rayload.errors import ConfigError
 from rayload.loading.checkpoint import CONFIG_NAME, INDEX_NAME
 from rayload.loading.dtypes import ITEMSIZE
+from rayload.loading.output import writing_to
+
+log = logging.getLogger(__name__)
 
 GB = 1_000_000_000
 FILE_TARGET_BYTES = 256 * 1024 * 1024
@@ -159,16 +163,28 @@ def write_checkpoint(
             f"num_files must be between 1 and {len(tensors)} (the tensor count) for this "
             f"model, got {num_files}"
         )
-    root = _empty_dir(Path(out))
+    root = Path(out)
     groups = _partition([nbytes for _, _, nbytes in tensors], num_files)
-    weight_map: dict[str, str] = {}
-    for number, (lo, hi) in enumerate(groups, start=1):
-        file_name = f"model-{number:05d}-of-{num_files:05d}.safetensors"
-        _write_file(root / file_name, tensors[lo:hi], st_dtype, seed)
-        weight_map.update((name, file_name) for name, _, _ in tensors[lo:hi])
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (root / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    (root / CONFIG_NAME).write_text(json.dumps(shape.config(st_dtype), indent=2) + "\n")
+    with writing_to(root):
+        _empty_dir(root)
+        existing = set(root.iterdir())
+    written: list[Path] = []
+    try:
+        with writing_to(root):
+            weight_map: dict[str, str] = {}
+            for number, (lo, hi) in enumerate(groups, start=1):
+                file_name = f"model-{number:05d}-of-{num_files:05d}.safetensors"
+                written.append(root / file_name)
+                _write_file(root / file_name, tensors[lo:hi], st_dtype, seed)
+                weight_map.update((name, file_name) for name, _, _ in tensors[lo:hi])
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            written.append(root / INDEX_NAME)
+            (root / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+            written.append(root / CONFIG_NAME)
+            (root / CONFIG_NAME).write_text(json.dumps(shape.config(st_dtype), indent=2) + "\n")
+    except BaseException:
+        _remove_written([p for p in written if p not in existing])
+        raise
     return root
 
 
@@ -178,7 +194,7 @@ def _st_dtype(dtype: str) -> str:
     return _FLOAT_DTYPES[dtype]
 
 
-def _empty_dir(root: Path) -> Path:
+def _empty_dir(root: Path) -> None:
     if root.exists() and not root.is_dir():
         raise ConfigError(f"{root} exists and is not a directory; choose another output path")
     if root.is_dir() and any(
@@ -186,7 +202,15 @@ def _empty_dir(root: Path) -> Path:
     ):
         raise ConfigError(f"{root} already holds a checkpoint; choose an empty directory")
     root.mkdir(parents=True, exist_ok=True)
-    return root
+
+
+def _remove_written(paths: list[Path]) -> None:
+    """Undo a failed write: remove the files this call created (or began to)."""
+    for path in paths:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("could not remove %s after the failed write: %s", path, exc)
 
 
 def _partition(sizes: list[int], parts: int) -> list[tuple[int, int]]:
