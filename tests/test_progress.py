@@ -37,7 +37,25 @@ def test_mixed_method_warnings_names_methods_devices_and_fallbacks() -> None:
     assert warnings == [
         "ranks loaded with different methods: scratch on ranks [0]; dummy on ranks [1]",
         "ranks loaded onto different devices: cpu on ranks [0]; cuda:0 on ranks [1]",
-        "rank 1 fell back from fastsafetensors to dummy: no GDS",
+        "rank 1 fell back: auto -> fastsafetensors -> dummy: no GDS",
+    ]
+
+
+def test_mixed_method_warnings_fallback_names_requested_then_selected() -> None:
+    gdr, fst = LoadMethod.FASTSAFETENSORS_GDR, LoadMethod.FASTSAFETENSORS
+    reason = "GPUDirect Storage copies into GPU memory but the device is cpu"
+    report = RankReport(
+        rank=0,
+        tp_size=1,
+        device="cpu",
+        method=MethodReport(gdr, fst, fst, reason),
+        bytes_read=0,
+        tensors=0,
+        start_ns=0,
+        end_ns=1,
+    )
+    assert mixed_method_warnings([report]) == [
+        f"rank 0 fell back: fastsafetensors_gdr -> fastsafetensors: {reason}"
     ]
 
 

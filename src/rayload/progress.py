@@ -56,7 +56,8 @@ class LineProgress:
 
 def mixed_method_warnings(reports: Sequence[RankReport]) -> list[str]:
     """Warnings for a load whose ranks did not all run the same way: different effective
-    methods or devices across ranks, or any fallback. Empty when every rank agrees."""
+    methods or devices across ranks, or any fallback (shown as requested -> selected ->
+    effective, repeats dropped, with the reason). Empty when every rank agrees."""
     warnings: list[str] = []
     by_method: dict[str, list[int]] = {}
     by_device: dict[str, list[int]] = {}
@@ -68,10 +69,14 @@ def mixed_method_warnings(reports: Sequence[RankReport]) -> list[str]:
     if len(by_device) > 1:
         warnings.append(f"ranks loaded onto different devices: {_groups(by_device)}")
     for report in reports:
-        if report.method.fallback_reason:
+        method = report.method
+        if method.fallback_reason:
+            chain = [method.requested.value]
+            for step in (method.selected.value, method.effective.value):
+                if step != chain[-1]:
+                    chain.append(step)
             warnings.append(
-                f"rank {report.rank} fell back from {report.method.selected.value} to "
-                f"{report.method.effective.value}: {report.method.fallback_reason}"
+                f"rank {report.rank} fell back: {' -> '.join(chain)}: {method.fallback_reason}"
             )
     return warnings
 
