@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from rayload.errors import CheckpointError, ConfigError
 from rayload.loading.backends import BACKENDS, Backend, ReaderOptions, register
 from rayload.loading.backends.fastsafetensors import FastsafetensorsGdrBackend
-from rayload.loading.backends.reader import Segment, plan_reads, shard_segments
+from rayload.loading.backends.readplan import Segment, plan_reads, shard_segments
 from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.methods import LoadMethod
 from rayload.loading.plan import ByteRange, RankPlan, RowRanges, TensorShard, plan_shards

@@ -27,7 +27,9 @@ import torch
 
 from rayload.errors import CheckpointError, ConfigError
 from rayload.loading.backends.base import ReaderOptions
-from rayload.loading.backends.reader import host_view, read_segments, shard_segments
+from rayload.loading.backends.reader import read_segments
+from rayload.loading.backends.readplan import shard_segments
+from rayload.loading.backends.sinks import host_view
 from rayload.loading.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from rayload.loading.dtypes import DTYPES
 from rayload.loading.manifest import (

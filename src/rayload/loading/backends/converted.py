@@ -16,13 +16,8 @@ import torch
 
 from rayload.errors import CheckpointError, ConfigError
 from rayload.loading.backends.base import Backend, BackendResult, register
-from rayload.loading.backends.reader import (
-    Read,
-    Segment,
-    read_segments,
-    shard_segments,
-    shard_tensors,
-)
+from rayload.loading.backends.reader import read_segments, shard_tensors
+from rayload.loading.backends.readplan import Read, Segment, shard_segments
 from rayload.loading.manifest import (
     MANIFEST_NAME,
     Crc32,

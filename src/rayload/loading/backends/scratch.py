@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from rayload.loading.backends.base import Backend, BackendResult, register
-from rayload.loading.backends.reader import read_segments, shard_segments, shard_tensors
+from rayload.loading.backends.reader import read_segments, shard_tensors
+from rayload.loading.backends.readplan import shard_segments
 from rayload.loading.methods import LoadMethod
 from rayload.loading.plan import RankPlan
 from rayload.loading.report import PhaseTimer

@@ -1,0 +1,117 @@
+"""Where the reader's bytes land.
+
+* :class:`HostSink`: straight into the destination host buffers (CPU loads, convert).
+* :class:`StagedDeviceSink`: into a ring of pinned host buffers, then ``non_blocking``
+  host-to-device copies on a side stream; a staging buffer is reused only after the copy
+  out of it has finished (an event), so reads and copies overlap.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import torch
+
+from rayload.loading.backends.base import ReaderOptions
+from rayload.loading.backends.readplan import Batch
+
+Views = list[list[memoryview]]
+"""Per read of a batch, the buffers ``os.preadv`` fills."""
+
+
+class Sink(Protocol):
+    """Where a batch's bytes land: ``acquire`` gives the buffers to read into,
+    ``release`` is called once the batch is read, in batch order."""
+
+    def acquire(self, batch: Batch) -> Views: ...
+
+    def release(self, batch: Batch, views: Views) -> None: ...
+
+    def finish(self) -> None:
+        """Wait until every released batch is in its destination."""
+
+
+def host_view(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor (no copy)."""
+    return tensor.view(torch.uint8).reshape(-1).numpy().data.cast("B")
+
+
+class HostSink:
+    """Reads straight into host destination buffers, one view per segment."""
+
+    def __init__(self, targets: Sequence[memoryview]) -> None:
+        self.targets = targets
+
+    def acquire(self, batch: Batch) -> Views:
+        targets = self.targets
+        return [
+            [targets[s.target][s.target_offset : s.target_offset + s.length] for s in r.segments]
+            for r in batch.reads
+        ]
+
+    def release(self, batch: Batch, views: Views) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class StagedDeviceSink:
+    """Reads a batch into one pinned staging buffer, then copies it to the device
+    destinations on a side stream, one copy per run of bytes that is contiguous in both
+    (the rows of a split-1 shard become one copy). ``finish()`` waits for the last copy."""
+
+    def __init__(self, targets: Sequence[torch.Tensor], options: ReaderOptions) -> None:
+        self.targets = targets
+        self.device = targets[0].device if targets else torch.device("cuda", 0)
+        self.stream = torch.cuda.Stream(self.device)
+        self._free: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque(
+            (torch.empty(options.chunk_bytes, dtype=torch.uint8, pin_memory=True), None)
+            for _ in range(options.window)
+        )
+        self._busy: deque[torch.Tensor] = deque()  # acquired, in batch order
+
+    def acquire(self, batch: Batch) -> Views:
+        buffer, copied = self._free.popleft()
+        if copied is not None:
+            copied.synchronize()
+        self._busy.append(buffer)
+        view = host_view(buffer)
+        views, pos = [], 0
+        for read in batch.reads:
+            views.append([view[pos : pos + read.length]])
+            pos += read.length
+        return views
+
+    def release(self, batch: Batch, views: Views) -> None:
+        buffer = self._busy.popleft()
+        with torch.cuda.stream(self.stream):
+            for target, dst, src, length in _copy_runs(batch):
+                self.targets[target][dst : dst + length].copy_(
+                    buffer[src : src + length], non_blocking=True
+                )
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self._free.append((buffer, event))
+
+    def finish(self) -> None:
+        self.stream.synchronize()
+
+
+def _copy_runs(batch: Batch) -> Iterator[tuple[int, int, int, int]]:
+    """``(target, target_offset, staging_offset, length)`` runs of a staged batch."""
+    run: list[int] | None = None
+    src = 0
+    for read in batch.reads:
+        for seg in read.segments:
+            if run is not None and run[0] == seg.target and run[1] + run[3] == seg.target_offset:
+                run[3] += seg.length
+            else:
+                if run is not None:
+                    yield run[0], run[1], run[2], run[3]
+                run = [seg.target, seg.target_offset, src, seg.length]
+            src += seg.length
+    if run is not None:
+        yield run[0], run[1], run[2], run[3]
