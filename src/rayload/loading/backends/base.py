@@ -3,7 +3,8 @@
 A backend executes one rank's :class:`~rayload.loading.plan.RankPlan` on one device. The
 public :meth:`Backend.load` checks the result once (every planned tensor, with its shard
 shape and dtype, on the device) and times the device synchronization; implementations
-override :meth:`Backend._load` and record ``rank.read`` and ``rank.to_device`` themselves.
+override :meth:`Backend._load` and record ``rank.read`` and ``rank.to_device`` themselves;
+a phase that queues device work ends with :func:`synchronize`.
 A backend never branches on the method name: methods that differ in one setting are two
 classes sharing a base.
 """
@@ -106,14 +107,21 @@ class Backend(ABC):
             target = torch.device("cuda", 0)
         result = self._load(plan, target, timer)
         with timer.phase("rank.sync", device=str(target)):
-            if target.type == "cuda":
-                torch.cuda.synchronize(target)
+            synchronize(target)
         _check_result(plan, result, target)
         return result
 
     @abstractmethod
     def _load(self, plan: RankPlan, device: torch.device, timer: PhaseTimer) -> BackendResult:
         """Read ``plan`` onto ``device``, timing ``rank.read`` and ``rank.to_device``."""
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until ``device`` has finished all queued work (no-op on CPU). A phase timing
+    device work calls it last, so the phase ends when the work does, not when it was
+    queued."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 BACKENDS: dict[LoadMethod, type[Backend]] = {}

@@ -10,7 +10,7 @@ import zlib
 
 import torch
 
-from rayload.loading.backends.base import Backend, BackendResult, register
+from rayload.loading.backends.base import Backend, BackendResult, register, synchronize
 from rayload.loading.dtypes import torch_dtype
 from rayload.loading.methods import LoadMethod
 from rayload.loading.plan import RankPlan, TensorShard
@@ -26,6 +26,7 @@ class DummyBackend(Backend):
             pass
         with timer.phase("rank.to_device", device=str(device)):
             tensors = {s.name: _random_shard(s, plan.rank, device) for s in plan.shards}
+            synchronize(device)  # the random fills run asynchronously on CUDA
         return BackendResult(tensors, 0, self.method)
 
 

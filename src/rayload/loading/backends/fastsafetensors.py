@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 
 from rayload.errors import CheckpointError
-from rayload.loading.backends.base import Backend, BackendResult, register
+from rayload.loading.backends.base import Backend, BackendResult, register, synchronize
 from rayload.loading.methods import LoadMethod
 from rayload.loading.plan import RankPlan, TensorShard
 from rayload.loading.report import PhaseTimer
@@ -66,6 +66,7 @@ class _FastsafetensorsBase(Backend):
                             s.name: _take_shard(buffers.get_tensor(s.name), s, plan.rank)
                             for s in plan.shards
                         }
+                        synchronize(device)  # the clones run asynchronously on CUDA
                 finally:
                     buffers.close()
                 copier = getattr(loader, "copier_class", None)
