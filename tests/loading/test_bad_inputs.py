@@ -40,6 +40,7 @@ def _expect(path: Path, *, file: Path, tensor: str | None, match: str) -> Checkp
         pytest.param(b"{not json", b"", None, None, "not valid JSON", id="invalid-json"),
         pytest.param(b"\xff\xfe", b"", None, None, "not valid JSON", id="not-utf8"),
         pytest.param([1, 2], b"", None, None, "not an object", id="json-list"),
+        pytest.param(b"[" * 100_000, b"", None, None, "nested too deeply", id="deep-nesting"),
         pytest.param({"a": [1]}, b"", None, "a", "not an object", id="entry-not-object"),
         pytest.param(
             {"a": {"dtype": "F32", "shape": [2]}}, bytes(8), None, "a", "no data_offsets",
@@ -202,6 +203,13 @@ def test_malformed_config_json_names_it_and_says_what_to_fix(
     (root / "config.json").write_text(config)
     error = _expect(root, file=root / "config.json", tensor=None, match=match)
     assert "fix it to" in str(error)
+
+
+def test_deeply_nested_config_json_names_it(tiny_llama: Path, tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    shutil.copytree(tiny_llama, root)
+    (root / "config.json").write_text("[" * 100_000)
+    _expect(root, file=root / "config.json", tensor=None, match="nested too deeply")
 
 
 def test_config_json_without_architectures_is_accepted(tiny_llama: Path, tmp_path: Path) -> None:

@@ -327,6 +327,11 @@ def read_json(path: str, *, what: str) -> Any:
         raise CheckpointError(
             f"{path}: the {what} is not valid JSON ({exc}); re-download or fix it", file=path
         ) from exc
+    except RecursionError as exc:
+        raise CheckpointError(
+            f"{path}: the {what} is JSON nested too deeply to parse; re-download or fix it",
+            file=path,
+        ) from exc
 
 
 def _read_config(root: str) -> Mapping[str, Any] | None:

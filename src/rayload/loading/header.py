@@ -104,6 +104,11 @@ def _parse(path: str, raw: bytes, size: int) -> FileHeader:
             f"{path}: header is not valid JSON ({exc}); the file is corrupt: {_REDO}",
             file=path,
         ) from exc
+    except RecursionError as exc:
+        raise CheckpointError(
+            f"{path}: header JSON is nested too deeply to parse; the file is corrupt: {_REDO}",
+            file=path,
+        ) from exc
     if not isinstance(header, dict):
         raise CheckpointError(
             f"{path}: header is a JSON {type(header).__name__}, not an object; "
