@@ -152,4 +152,4 @@ def test_inspect_and_plan_of_converted_checkpoint(
     text = capsys.readouterr().out
     assert "(converted), tp=2, rules: manifest" in text
     assert main(["plan", str(out), "--tp", "4"]) == 2
-    assert "converted for tp=2, asked for tp=4" in capsys.readouterr().err
+    assert "converted for tp_size=2, not 4" in capsys.readouterr().err

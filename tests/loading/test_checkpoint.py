@@ -134,9 +134,10 @@ def test_converted_for_other_tp_tells_how_to_convert(
     tiny_llama: Path, make_converted: Callable[[Path, Path, int], Path], tmp_path: Path
 ) -> None:
     out = make_converted(tiny_llama, tmp_path / "tp4", 4)
-    with pytest.raises(CheckpointError, match=r"converted for tp=4, asked for tp=2") as info:
+    with pytest.raises(CheckpointError, match=r"converted for tp_size=4, not 2") as info:
         plan_shards(out, 2)
     assert "rayload convert" in str(info.value) and "--tp 2" in str(info.value)
+    assert info.value.file == str(out / "rayload-manifest.json")
 
 
 def test_config_json_is_read(tiny_llama: Path) -> None:

@@ -257,6 +257,19 @@ def _rank_tensors(
     return tensors
 
 
+def check_converted_tp(root: str, converted_tp: int | None, tp_size: int) -> None:
+    """CheckpointError naming the manifest when the checkpoint at ``root`` was converted
+    (``converted_tp`` is not None) for another tp size than ``tp_size``."""
+    if converted_tp is not None and converted_tp != tp_size:
+        manifest = os.path.join(root, MANIFEST_NAME)
+        raise CheckpointError(
+            f"{manifest}: checkpoint was converted for tp_size={converted_tp}, not "
+            f"{tp_size}; load it with --tp {converted_tp} or convert the original "
+            f"checkpoint again with `rayload convert SRC OUT --tp {tp_size}`",
+            file=manifest,
+        )
+
+
 def shard_shape(full_shape: tuple[int, ...], split: int | None, tp_size: int) -> tuple[int, ...]:
     """The shape of one rank's shard of a ``full_shape`` tensor cut on ``split``
     (divisibility is the caller's check)."""

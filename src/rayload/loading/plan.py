@@ -19,8 +19,14 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import overload
 
-from rayload.errors import CheckpointError, ConfigError, ShardingError
-from rayload.loading.checkpoint import Checkpoint, TensorInfo, open_checkpoint, shard_shape
+from rayload.errors import ConfigError, ShardingError
+from rayload.loading.checkpoint import (
+    Checkpoint,
+    TensorInfo,
+    check_converted_tp,
+    open_checkpoint,
+    shard_shape,
+)
 from rayload.loading.dtypes import ITEMSIZE
 from rayload.loading.rules import RulesArg, RuleSet, resolve_rules
 
@@ -233,13 +239,7 @@ def _plan_hf(checkpoint: Checkpoint, tp_size: int, ruleset: RuleSet) -> ShardPla
 def _plan_converted(checkpoint: Checkpoint, tp_size: int, rules: RulesArg) -> ShardPlan:
     manifest = checkpoint.manifest
     assert manifest is not None and checkpoint.rank_files is not None
-    if manifest.tp_size != tp_size:
-        raise CheckpointError(
-            f"{checkpoint.root}: converted for tp={manifest.tp_size}, asked for tp={tp_size}: "
-            f"run `rayload convert SOURCE OUT --tp {tp_size}` on the original checkpoint, "
-            f"or load with --tp {manifest.tp_size}",
-            file=checkpoint.root,
-        )
+    check_converted_tp(checkpoint.root, manifest.tp_size, tp_size)
     if rules is not None:
         raise ConfigError(
             f"{checkpoint.root} is a converted checkpoint: its sharding rules were fixed by "

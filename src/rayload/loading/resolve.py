@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rayload.errors import CheckpointError, ConfigError, MethodUnavailableError
-from rayload.loading.checkpoint import Checkpoint, Layout
+from rayload.errors import ConfigError, MethodUnavailableError
+from rayload.loading.checkpoint import Checkpoint, Layout, check_converted_tp
 from rayload.loading.manifest import MANIFEST_NAME
 from rayload.loading.methods import LoadMethod
 from rayload.loading.probe import EnvProbe
@@ -116,7 +116,7 @@ def resolve_method(
     """
     method = parse_method(requested)
     resolved_device = resolve_device(device, probe)
-    _check_converted_tp(layout_info, tp_size)
+    check_converted_tp(layout_info.root, layout_info.converted_tp_size, tp_size)
     if method is LoadMethod.AUTO:
         selected, reason = _choose_auto(probe, layout_info, resolved_device, tp_size)
         return Resolution(method, selected, resolved_device, reason)
@@ -152,18 +152,6 @@ def log_fallback(rank: int, requested: LoadMethod, used: LoadMethod, reason: str
             requested.value,
             used.value,
             reason,
-        )
-
-
-def _check_converted_tp(layout_info: LayoutInfo, tp_size: int) -> None:
-    converted_tp = layout_info.converted_tp_size
-    if layout_info.layout == "converted" and converted_tp != tp_size:
-        manifest = f"{layout_info.root.rstrip('/')}/{MANIFEST_NAME}"
-        raise CheckpointError(
-            f"{manifest}: checkpoint was converted for tp_size={converted_tp}, not "
-            f"{tp_size}; load it with --tp {converted_tp} or convert the original "
-            f"checkpoint again with `rayload convert SRC OUT --tp {tp_size}`",
-            file=manifest,
         )
 
 
