@@ -13,6 +13,7 @@ Byte layout of a shard, for a row-major tensor of shape ``(d0, d1, *rest)`` cut 
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -29,6 +30,8 @@ from rayload.loading.checkpoint import (
 )
 from rayload.loading.dtypes import ITEMSIZE
 from rayload.loading.rules import RulesArg, RuleSet, resolve_rules
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,7 @@ class ShardPlan:
     """The plan of every rank, plus what sharding costs.
 
     ``unmatched`` names the tensors replicated only because no rule matched them;
+    ``unused_rules`` the patterns of the user's rules that matched no tensor;
     ``rules_source`` says which rules were used (``preset:<arch>``, a file path,
     ``manifest`` for a converted checkpoint, or ``none``).
     """
@@ -161,6 +165,7 @@ class ShardPlan:
     unmatched: tuple[str, ...] = ()
     rules_source: str = ""
     layout: str = ""
+    unused_rules: tuple[str, ...] = ()  # patterns of the user's rules that matched nothing
 
     def split_dim(self, name: str) -> int | None:
         """0, 1 or None (replicated) for tensor ``name``; KeyError if unknown."""
@@ -225,6 +230,15 @@ def _plan_hf(checkpoint: Checkpoint, tp_size: int, ruleset: RuleSet) -> ShardPla
         RankPlan(rank, tp_size, tuple(_shard(t, splits[t.name], rank, tp_size) for t in tensors))
         for rank in range(tp_size)
     )
+    unused = ruleset.unused_user_rules(splits)
+    for rule in unused:
+        log.warning(
+            "%s: rule %r matches no tensor of %s; a pattern must match the whole tensor "
+            "name (e.g. '.*q_proj.*', not 'q_proj')",
+            ruleset.source,
+            rule.pattern,
+            checkpoint.root,
+        )
     return ShardPlan(
         tp_size=tp_size,
         ranks=ranks,
@@ -233,6 +247,7 @@ def _plan_hf(checkpoint: Checkpoint, tp_size: int, ruleset: RuleSet) -> ShardPla
         unmatched=tuple(unmatched),
         rules_source=ruleset.source,
         layout=checkpoint.layout,
+        unused_rules=tuple(rule.pattern for rule in unused),
     )
 
 

@@ -56,10 +56,22 @@ class Rule:
 
 @dataclass(frozen=True)
 class RuleSet:
-    """Ordered rules plus where they came from (a preset name, a file path, or "none")."""
+    """Ordered rules plus where they came from (a preset name, a file path, or "none").
+
+    The first ``user_rules`` rules are the user's own (a rules file or rules passed in);
+    the rest come from a preset.
+    """
 
     rules: tuple[Rule, ...]
     source: str
+    user_rules: int = 0
+
+    def unused_user_rules(self, names: Iterable[str]) -> tuple[Rule, ...]:
+        """The user's rules that match none of ``names`` (almost always a pattern written
+        to match part of a name: patterns must match the whole name)."""
+        user = self.rules[: self.user_rules]
+        used = {i for name in names for i, rule in enumerate(user) if rule.matches(name)}
+        return tuple(rule for i, rule in enumerate(user) if i not in used)
 
     def match(self, name: str) -> Rule | None:
         """The first rule matching ``name``, or None."""
@@ -138,7 +150,8 @@ def resolve_rules(rules: RulesArg, architecture: str | None) -> RuleSet:
         return _from_file(load_rules_file(rules), architecture, source=os.fspath(rules))
     if isinstance(rules, RulesFile):
         return _from_file(rules, architecture, source="rules file")
-    return RuleSet(tuple(_checked(rules)), "rules")
+    checked = tuple(_checked(rules))
+    return RuleSet(checked, "rules", len(checked))
 
 
 def preset_for(architecture: str | None) -> RuleSet | None:
@@ -157,8 +170,8 @@ def _from_file(parsed: RulesFile, architecture: str | None, *, source: str) -> R
                 f"{source}: use_preset is set but rayload has no preset for architecture "
                 f"{architecture} (presets: {', '.join(PRESETS)}); list every rule instead"
             )
-        return RuleSet(rules + preset.rules, f"{source} + {preset.source}")
-    return RuleSet(rules, source)
+        return RuleSet(rules + preset.rules, f"{source} + {preset.source}", len(rules))
+    return RuleSet(rules, source, len(rules))
 
 
 def _checked(rules: Iterable[object]) -> Iterable[Rule]:
