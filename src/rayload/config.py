@@ -85,6 +85,13 @@ def load_rules_file(path: str | os.PathLike[str]) -> RulesFile:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"rules file {name}: not valid JSON ({exc})") from exc
+    except RecursionError as exc:
+        raise ConfigError(f"rules file {name}: JSON nested too deeply to parse") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"rules file {name}: the top level is a JSON {type(data).__name__}; the file must "
+            'be an object: {"rules": [{"pattern": "...", "split": 0}, ...]}'
+        )
     try:
         return RulesFile.model_validate(data)
     except ValidationError as exc:

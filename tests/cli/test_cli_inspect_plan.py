@@ -78,6 +78,16 @@ def test_plan_shows_unmatched_tensors_with_rules_file(tiny_llama: Path, tmp_path
     assert "unmatched           7 tensors" in result.stdout  # embed, 5 norms, lm_head
 
 
+def test_plan_warns_about_rule_matching_no_tensor(tiny_llama: Path, tmp_path: Path) -> None:
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps({"rules": [{"pattern": "q_proj", "split": 0}]}))
+    result = _run("plan", str(tiny_llama), "--tp", "2", "--rules", str(rules))
+    assert result.returncode == 0, result.stderr
+    assert "warning: rule 'q_proj' matches no tensor" in result.stdout
+    result = _run("plan", str(tiny_llama), "--tp", "2", "--rules", str(rules), "--json")
+    assert json.loads(result.stdout)["unused_rules"] == ["q_proj"]
+
+
 def test_make_checkpoint_writes_loadable_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "m"
     result = _run("make-checkpoint", str(out), "--files", "3", "--dtype", "f16", "--seed", "5")

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -142,9 +143,11 @@ def test_rules_file_changes_plan(tiny_llama: Path, tmp_path: Path) -> None:
         ({"rules": [], "preset": "llama"}, "preset"),
         ({}, "rules"),
         ([], "top level"),
+        ([{"pattern": "a", "split": 0}], r'must be an object: \{"rules": \['),
+        ("[" * 100_000, "nested too deeply"),
     ],
     ids=["json", "split-2", "split-bool", "split-str", "regex", "extra-key", "top-extra",
-         "no-rules", "list"],
+         "no-rules", "list", "list-of-rules", "deep"],
 )  # fmt: skip
 def test_invalid_rules_file_names_file_and_problem(
     tmp_path: Path, content: object, match: str
@@ -154,6 +157,28 @@ def test_invalid_rules_file_names_file_and_problem(
         load_rules_file(path)
     assert str(path) in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_user_rule_matching_no_tensor_is_warned_and_reported(
+    tiny_llama: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = _write(
+        tmp_path,
+        {
+            "rules": [{"pattern": "q_proj", "split": 0}, {"pattern": ".*k_proj.*", "split": 0}],
+            "use_preset": True,
+        },
+    )
+    with caplog.at_level(logging.WARNING, logger="rayload.loading.plan"):
+        plan = plan_shards(tiny_llama, 2, rules=path)
+    assert plan.unused_rules == ("q_proj",)
+    [record] = caplog.records
+    assert "rule 'q_proj' matches no tensor" in record.getMessage()
+    assert "must match the whole tensor name (e.g. '.*q_proj.*'" in record.getMessage()
+
+
+def test_preset_rules_matching_nothing_are_not_reported(tiny_llama: Path) -> None:
+    assert plan_shards(tiny_llama, 2).unused_rules == ()
 
 
 def test_missing_rules_file_is_config_error(tmp_path: Path) -> None:

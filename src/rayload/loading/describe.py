@@ -101,6 +101,7 @@ def describe_plan(plan: ShardPlan, root: str) -> dict[str, Any]:
             "bytes": plan.unmatched_bytes,
             "tensors": list(plan.unmatched),
         },
+        "unused_rules": list(plan.unused_rules),
         "ranks": [
             {"rank": r.rank, "bytes": r.nbytes, "tensors": len(r.shards), "files": len(r.files)}
             for r in plan.ranks
@@ -136,6 +137,11 @@ def render_plan(summary: dict[str, Any]) -> str:
     lines += [f"  unmatched: {name}" for name in shown]
     if unmatched["count"] > len(shown):
         lines.append(f"  ... and {unmatched['count'] - len(shown)} more (see --json)")
+    lines += [
+        f"warning: rule {pattern!r} matches no tensor; a pattern must match the whole "
+        "tensor name (e.g. '.*q_proj.*', not 'q_proj')"
+        for pattern in summary["unused_rules"]
+    ]
     return "\n".join(lines)
 
 
