@@ -32,6 +32,20 @@ def test_write_trace_files_creates_all_four(tp4_trace: Any, tmp_path: Path) -> N
     )  # no temporary files left behind
 
 
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o077, 0o600)])
+def test_trace_files_get_the_mode_open_would_give(
+    tp4_trace: Any, tmp_path: Path, umask: int, mode: int
+) -> None:
+    old = os.umask(umask)
+    try:
+        paths = write_trace_files(tp4_trace.spans, tmp_path / "trace")
+    finally:
+        os.umask(old)
+    assert {name: p.stat().st_mode & 0o777 for name, p in paths.items()} == {
+        name: mode for name in paths
+    }
+
+
 def test_write_trace_files_into_file_path_raises_config_error(
     tp4_trace: Any, tmp_path: Path
 ) -> None:

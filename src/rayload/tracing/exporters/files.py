@@ -105,12 +105,31 @@ class FileSpanExporter(SpanExporter):
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    """Readers never see a half-written file: write a sibling, then rename over."""
+    """Readers never see a half-written file: write a sibling, then rename over. The file
+    gets the mode a plain ``open`` would give it (0o644 under the usual umask), not
+    ``mkstemp``'s private 0o600: traces are shared and uploaded."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
+            os.fchmod(handle.fileno(), 0o644 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process umask: from ``/proc/self/status`` on Linux (no side effect); elsewhere
+    by setting it and straight back (another thread creating a file in between would see
+    0o022)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
