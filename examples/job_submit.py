@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 import rayload
-from rayload.loading.synthetic import write_checkpoint
+from rayload.loading import write_checkpoint
 
 
 def main() -> None:

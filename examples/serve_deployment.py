@@ -27,7 +27,7 @@ from ray import serve
 from starlette.requests import Request
 
 import rayload
-from rayload.loading.synthetic import write_checkpoint
+from rayload.loading import write_checkpoint
 from rayload.placement import rank_bundles
 
 CPUS_PER_BUNDLE = 0.01  # the replica and the ranks mostly wait on I/O

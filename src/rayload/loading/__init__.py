@@ -17,6 +17,7 @@ from rayload.loading.plan import RankPlan, ShardPlan, plan_shards
 from rayload.loading.probe import EnvProbe, probe_environment
 from rayload.loading.rank import load_rank
 from rayload.loading.report import PhaseRecord, PhaseTimer, RankReport
+from rayload.loading.synthetic import write_checkpoint
 
 __all__ = [
     "Checkpoint",
@@ -33,4 +34,5 @@ __all__ = [
     "open_checkpoint",
     "plan_shards",
     "probe_environment",
+    "write_checkpoint",
 ]
