@@ -352,13 +352,13 @@ def _place(
                 timeout_s=deadline - time.monotonic(),
             )
     except BaseException as exc:
-        trace.add_span("rayload.placement", start, time.time_ns(), attributes, str(exc))
+        trace.add_span(schema.PLACEMENT_SPAN, start, time.time_ns(), attributes, str(exc))
         raise
     end = time.time_ns()
     attributes["placement.strategy"] = placement.strategy
     attributes["placement.reused"] = not placement.owned
     attributes["placement.rank_bundle"] = str(dict(placement.bundles[placement.bundle_of(0)]))
-    trace.add_span("rayload.placement", start, end, attributes)
+    trace.add_span(schema.PLACEMENT_SPAN, start, end, attributes)
     return placement, (end - start) / 1e9
 
 

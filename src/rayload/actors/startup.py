@@ -17,7 +17,7 @@ from rayload.actors.group import RankActorGroup, RankFailure, failure_error
 from rayload.actors.records import LoadRequest, RankOutcome
 from rayload.loading.report import RankReport
 from rayload.progress import LoadProgress
-from rayload.tracing import StartupTrace
+from rayload.tracing import StartupTrace, schema
 
 ProgressCallback = Callable[[LoadProgress], None]
 
@@ -75,7 +75,7 @@ def _record_spawns(trace: StartupTrace, group: RankActorGroup) -> None:
         if info.process_start_ns is not None:
             offset = group.clock_offsets.get(rank, (0, 0))[0]
             attributes["process_age_ms"] = (start - (info.process_start_ns - offset)) / 1e6
-        trace.add_span("rayload.spawn", start, end, attributes)
+        trace.add_span(schema.SPAWN_SPAN, start, end, attributes)
 
 
 def spawn_seconds(group: RankActorGroup) -> dict[int, float]:
