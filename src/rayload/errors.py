@@ -28,9 +28,15 @@ class RayloadError(Exception):
 
 
 class InputError(RayloadError):
-    """The user's input (paths, files, options) is wrong; nothing was loaded."""
+    """The user's input (paths, files, options) is wrong; nothing was loaded.
+
+    ``rank`` and ``node_id`` are None, except on an error a rank found and the driver
+    re-raised (``rayload.load``): then they name that rank and its node.
+    """
 
     exit_code = 2
+    rank: int | None = None
+    node_id: str | None = None
 
 
 class CheckpointError(InputError):
