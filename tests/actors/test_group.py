@@ -38,5 +38,7 @@ def test_failure_error_keeps_rank_input_error_class_and_fields(input_error: Inpu
     error = failure_error(failure, timeout_s=1)
     assert type(error) is type(input_error)
     assert str(error) == f"rank 0 on node n0: {input_error}"
-    assert vars(error) == vars(input_error)
+    assert vars(error) == {**vars(input_error), "rank": 0, "node_id": "n0"}
+    assert (error.rank, error.node_id) == (0, "n0")
+    assert (input_error.rank, input_error.node_id) == (None, None)
     assert str(input_error) != str(error), "the original is left untouched"

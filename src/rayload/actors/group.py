@@ -247,6 +247,7 @@ def failure_error(failure: RankFailure, *, timeout_s: float) -> RayloadError:
     if failure.input_error is not None:
         error = copy.copy(failure.input_error)
         error.args = (f"{where}: {failure.input_error}",)
+        error.rank, error.node_id = failure.rank, failure.node_id
         return error
     if failure.kind == "timeout":
         return RankTimeoutError(
