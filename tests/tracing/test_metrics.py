@@ -135,6 +135,15 @@ def test_aggregate_max_mean_slowest_rank_and_method_tag() -> None:
     assert aggregate["read_gbps"]["max"] == 2.0
     assert aggregate["placement_seconds"]["slowest_rank"] is None  # driver-wide
     assert aggregate["bytes_read"]["mean"] == 4 * S
+    assert aggregate["bytes_read"]["slowest_rank"] is None  # more bytes is not slower
+
+
+def test_read_gbps_aggregate_total_is_all_bytes_over_longest_population() -> None:
+    aggregate = _metrics()["aggregate"]
+    # 2 ranks x 4 GB over rank 1's 4.0 + 1.0 + 0.5 s of weight population
+    assert aggregate["read_gbps"]["total"] == round(8 / 5.5, 3)
+    assert "total" not in aggregate["total_model_loading_seconds"]
+    assert _metrics("draft")["aggregate"]["draft_read_gbps"]["total"] == round(8 / 5.5, 3)
 
 
 def test_draft_role_prefixes_every_metric_key() -> None:

@@ -15,14 +15,17 @@ Keys (DESIGN.md, seconds unless named otherwise; ``draft_``-prefixed for a draft
 Shape of :func:`startup_metrics`::
 
     {"model_role": "main", "method": "scratch", "slowest_rank": 1,
-     "aggregate": {KEY: {"max", "mean", "min", "slowest_rank", "method"}, ...},
+     "aggregate": {KEY: {"max", "mean", "min", "slowest_rank", "method"}, ...,
+                   "read_gbps": {..., "total"}},
      "ranks": [{"rank", "node_id", "method", "fallback_reason", KEY: value, ...,
                 "phases": {"rank.read": seconds, ...}}, ...]}
 
 ``method`` is the effective load method: per rank, and on every aggregate figure (the
 distinct methods joined by "," when ranks differ). ``slowest_rank`` of a figure is the
 rank with the worst value: the largest, except for ``read_gbps`` where it is the smallest;
-None for ``placement_seconds``, which no rank owns.
+None for ``placement_seconds``, which no rank owns, and for ``bytes_read``, where more is
+not worse. ``read_gbps``'s aggregate also has ``total``: the bytes of all ranks over the
+longest ``weight_population_seconds`` (the load's own throughput).
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ METRIC_KEYS = (
 _PREPARATION_PHASES = ("rank.resolve", "rank.plan")
 _POPULATION_PHASES = ("rank.read", "rank.to_device", "rank.sync")
 _LOWER_IS_WORSE = frozenset({READ_GBPS})
-_DRIVER_WIDE = frozenset({PLACEMENT})
+_NO_SLOWEST = frozenset({PLACEMENT, BYTES_READ})
+"""Figures where no rank is "slowest": driver-wide, or where more is not worse."""
 
 
 def metric_key(key: str, model_role: str = "main") -> str:
@@ -89,6 +93,7 @@ def startup_metrics(
         metric_key(key, model_role): _aggregate(ranks, metric_key(key, model_role), key, method)
         for key in METRIC_KEYS
     }
+    aggregate[metric_key(READ_GBPS, model_role)]["total"] = _total_gbps(ranks, model_role)
     return {
         "model_role": model_role,
         "method": method,
@@ -134,9 +139,17 @@ def _aggregate(ranks: list[dict[str, Any]], key: str, base_key: str, method: str
         "max": max(values),
         "mean": round(mean) if base_key == BYTES_READ else round(mean, 6),
         "min": min(values),
-        "slowest_rank": None if base_key in _DRIVER_WIDE else slowest,
+        "slowest_rank": None if base_key in _NO_SLOWEST else slowest,
         "method": method,
     }
+
+
+def _total_gbps(ranks: list[dict[str, Any]], model_role: str) -> float:
+    """The load's own throughput: every rank's bytes over the longest weight population
+    (the ranks read in parallel, so the slowest one bounds the whole read)."""
+    total_bytes = sum(r[metric_key(BYTES_READ, model_role)] for r in ranks)
+    longest = max(r[metric_key(POPULATION, model_role)] for r in ranks)
+    return round(total_bytes / 1e9 / longest, 3) if longest > 0 else 0.0
 
 
 def _joined_methods(ranks: list[dict[str, Any]]) -> str:
