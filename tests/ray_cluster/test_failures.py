@@ -110,8 +110,11 @@ def test_actor_that_fails_to_start_fails_load_and_traces_every_rank(
 def test_strict_method_unavailable_on_rank_is_input_error_naming_rank(
     tiny_llama: Path, no_leaks: object
 ) -> None:
-    with pytest.raises(MethodUnavailableError, match=r"rank \d on node "):
+    with pytest.raises(MethodUnavailableError, match=r"rank \d on node ") as caught:
         rayload.load(tiny_llama, 2, method="fastsafetensors_gdr", device="cpu", strict=True)
+    assert caught.value.rank in (0, 1)
+    assert caught.value.node_id == _node()
+    assert f"rank {caught.value.rank} on node {caught.value.node_id}" in str(caught.value)
 
 
 def test_shard_from_rank_killed_after_load_raises_rank_failed(
