@@ -5,10 +5,12 @@ from __future__ import annotations
 import itertools
 import random
 import zlib
+from pathlib import Path
 
 import pytest
 
-from rayload.loading.manifest import Crc32, crc32, crc32_combine
+from rayload.errors import CheckpointError
+from rayload.loading.manifest import Crc32, crc32, crc32_combine, read_manifest
 
 
 def test_crc32_matches_zlib_on_random_bytes() -> None:
@@ -40,3 +42,11 @@ def test_crc32_combine_detects_a_changed_piece() -> None:
     a, b = b"tensor bytes", b"more tensor bytes"
     good = crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b))
     assert crc32_combine(zlib.crc32(a), zlib.crc32(b"more tensor bytez"), len(b)) != good
+
+
+def test_read_manifest_deeply_nested_json_is_checkpoint_error(tmp_path: Path) -> None:
+    path = tmp_path / "rayload-manifest.json"
+    path.write_text("[" * 100_000)
+    with pytest.raises(CheckpointError) as info:
+        read_manifest(str(path))
+    assert str(path) in str(info.value)

@@ -119,7 +119,7 @@ def read_manifest(path: str) -> Manifest:
             data = json.load(f)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror})", file=path) from exc
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointError(
             f"{path}: not valid JSON ({exc}); re-run `rayload convert`", file=path
         ) from exc

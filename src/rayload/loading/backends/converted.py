@@ -18,6 +18,7 @@ from rayload.errors import CheckpointError, ConfigError
 from rayload.loading.backends.base import Backend, BackendResult, register
 from rayload.loading.backends.reader import read_segments, shard_tensors
 from rayload.loading.backends.readplan import Read, Segment, shard_segments
+from rayload.loading.checkpoint import check_converted_tp
 from rayload.loading.manifest import (
     MANIFEST_NAME,
     Crc32,
@@ -73,13 +74,7 @@ class ConvertedBackend(Backend):
             )
         manifest = checkpoint.manifest
         manifest_path = os.path.join(checkpoint.root, MANIFEST_NAME)
-        if manifest.tp_size != plan.tp_size:
-            raise CheckpointError(
-                f"{manifest_path}: converted for tp_size={manifest.tp_size}, but rank "
-                f"{plan.rank} loads tp_size={plan.tp_size}; convert again with "
-                f"`rayload convert SRC OUT --tp {plan.tp_size}`",
-                file=manifest_path,
-            )
+        check_converted_tp(checkpoint.root, manifest.tp_size, plan.tp_size)
         own = {os.path.join(checkpoint.root, name) for name in manifest.ranks[plan.rank]}
         entries: dict[str, FileEntry] = {}
         for file in plan.files:
