@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,29 +11,11 @@ import pytest
 
 from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.plan import plan_shards
-
-
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "rayload.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
-def _assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    for needle in needles:
-        assert needle in lines[0]
+from support.cli import assert_one_line_error, run_cli
 
 
 def test_inspect_json_lists_every_tensor(tiny_llama: Path) -> None:
-    result = _run("inspect", str(tiny_llama), "--json")
+    result = run_cli("inspect", str(tiny_llama), "--json")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     ckpt = open_checkpoint(tiny_llama)
@@ -50,7 +30,7 @@ def test_inspect_json_lists_every_tensor(tiny_llama: Path) -> None:
 
 
 def test_inspect_table_is_readable(tiny_llama: Path) -> None:
-    result = _run("inspect", str(tiny_llama))
+    result = run_cli("inspect", str(tiny_llama))
     assert result.returncode == 0, result.stderr
     assert "hf_index, LlamaForCausalLM" in result.stdout
     row = next(line for line in result.stdout.splitlines() if line.startswith("lm_head.weight"))
@@ -58,7 +38,7 @@ def test_inspect_table_is_readable(tiny_llama: Path) -> None:
 
 
 def test_plan_json_reports_rank_bytes_and_amplification(tiny_llama: Path) -> None:
-    result = _run("plan", str(tiny_llama), "--tp", "4", "--json")
+    result = run_cli("plan", str(tiny_llama), "--tp", "4", "--json")
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)
     plan = plan_shards(tiny_llama, 4)
@@ -72,7 +52,7 @@ def test_plan_json_reports_rank_bytes_and_amplification(tiny_llama: Path) -> Non
 def test_plan_shows_unmatched_tensors_with_rules_file(tiny_llama: Path, tmp_path: Path) -> None:
     rules = tmp_path / "rules.json"
     rules.write_text(json.dumps({"rules": [{"pattern": r".*_proj\.weight", "split": 0}]}))
-    result = _run("plan", str(tiny_llama), "--tp", "2", "--rules", str(rules))
+    result = run_cli("plan", str(tiny_llama), "--tp", "2", "--rules", str(rules))
     assert result.returncode == 0, result.stderr
     assert "unmatched: lm_head.weight" in result.stdout
     assert "unmatched           7 tensors" in result.stdout  # embed, 5 norms, lm_head
@@ -81,16 +61,16 @@ def test_plan_shows_unmatched_tensors_with_rules_file(tiny_llama: Path, tmp_path
 def test_plan_warns_about_rule_matching_no_tensor(tiny_llama: Path, tmp_path: Path) -> None:
     rules = tmp_path / "rules.json"
     rules.write_text(json.dumps({"rules": [{"pattern": "q_proj", "split": 0}]}))
-    result = _run("plan", str(tiny_llama), "--tp", "2", "--rules", str(rules))
+    result = run_cli("plan", str(tiny_llama), "--tp", "2", "--rules", str(rules))
     assert result.returncode == 0, result.stderr
     assert "warning: rule 'q_proj' matches no tensor" in result.stdout
-    result = _run("plan", str(tiny_llama), "--tp", "2", "--rules", str(rules), "--json")
+    result = run_cli("plan", str(tiny_llama), "--tp", "2", "--rules", str(rules), "--json")
     assert json.loads(result.stdout)["unused_rules"] == ["q_proj"]
 
 
 def test_make_checkpoint_writes_loadable_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "m"
-    result = _run("make-checkpoint", str(out), "--files", "3", "--dtype", "f16", "--seed", "5")
+    result = run_cli("make-checkpoint", str(out), "--files", "3", "--dtype", "f16", "--seed", "5")
     assert result.returncode == 0, result.stderr
     ckpt = open_checkpoint(out)
     assert len(ckpt.files) == 3
@@ -117,20 +97,20 @@ def test_bad_input_exits_2_with_one_line(
     make_args: Callable[[Path, Path], list[str]],
     needles: list[str],
 ) -> None:
-    _assert_one_line_error(_run(*make_args(tiny_llama, tmp_path)), *needles)
+    assert_one_line_error(run_cli(*make_args(tiny_llama, tmp_path)), *needles)
 
 
 def test_make_checkpoint_to_unwritable_output_exits_2(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     out = tmp_path / "file" / "mk"
-    _assert_one_line_error(_run("make-checkpoint", str(out)), str(out), "cannot write")
+    assert_one_line_error(run_cli("make-checkpoint", str(out)), str(out), "cannot write")
 
 
 def test_corrupt_header_exits_2_naming_file(
     tmp_path: Path, write_raw_safetensors: Callable[..., Path]
 ) -> None:
     bad = write_raw_safetensors(tmp_path / "model.safetensors", {"w": {"dtype": "F32"}})
-    _assert_one_line_error(_run("inspect", str(tmp_path)), str(bad), "'w'")
+    assert_one_line_error(run_cli("inspect", str(tmp_path)), str(bad), "'w'")
 
 
 @pytest.mark.parametrize("command", ["inspect", "plan"])
@@ -142,7 +122,7 @@ def test_bad_architectures_in_config_exits_2_naming_config(
     shutil.copytree(tiny_llama, root)
     (root / "config.json").write_text(f'{{"architectures": {architectures}}}')
     args = [command, str(root)] + (["--tp", "2"] if command == "plan" else [])
-    _assert_one_line_error(_run(*args), str(root / "config.json"), "'architectures'")
+    assert_one_line_error(run_cli(*args), str(root / "config.json"), "'architectures'")
 
 
 def test_inspect_and_plan_of_converted_checkpoint(
