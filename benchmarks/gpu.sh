@@ -1,49 +1,95 @@
 #!/usr/bin/env bash
 # The GPU benchmark, in one go, on a machine with one NVIDIA GPU (written for one H200 and
-# 16 cores). NOT RUN YET: no GPU was available where it was written; see docs/benchmarks.md.
+# 16 cores). Figures from its runs are in docs/benchmarks.md.
 #
-#   benchmarks/gpu.sh                 # sets up .venv-gpu, writes an 8 GB checkpoint, runs
-#   SIZE_GB=16 REPEAT=5 VERIFY=0 benchmarks/gpu.sh
-#   PYTHON=/opt/env/bin/python benchmarks/gpu.sh   # an interpreter that already has torch
-#                                                   # with CUDA and rayload's dependencies
+#   benchmarks/gpu.sh                 # sets up .venv-gpu, writes the checkpoints, runs
+#   SIZE_GB=16 REPEAT=5 benchmarks/gpu.sh
+#   PYTHON=python3 benchmarks/gpu.sh  # an interpreter that already has torch with CUDA and
+#                                     # rayload's loading dependencies (rayload itself on
+#                                     # PYTHONPATH=src, or installed)
+#   DEADLINE=420 benchmarks/gpu.sh    # end by 420 s: later stages are cut short or skipped
 #
-# Prints: the GPU, driver and what rayload's probe sees (cuFile, nvidia-fs: GDS or not);
-# pinned and pageable host-to-device bandwidth; scratch / fastsafetensors /
-# fastsafetensors_gdr loading onto cuda:0 from the page cache (and cold), each with the
-# method that really ran and any fallback; GB/s per GPU against the 35 GB/s target.
-# Results go to $OUT (if set) or benchmarks/results/gpu/.
-set -euo pipefail
-
-die() { echo "gpu.sh: FAIL: $*" >&2; exit 1; }
-step() { echo; echo "== $*"; }
+# Stages, in order of importance (each under its own time limit; a failed stage is
+# reported and the next one runs; the exit code is the number of failed stages):
+#   probe     the GPU, the driver and what rayload's probe sees (cuFile, nvidia-fs: GDS?)
+#   h2d       pinned and pageable host-to-device bandwidth (CUDA events)
+#   tests     the loading tests, GPU-marked ones included, on this GPU
+#   verify    every method and peer onto cuda:0 at TP 1 and 2 on a small checkpoint, with
+#             the tensors of all cases hashed and compared
+#   sweep     scratch onto cuda:0 from the page cache, reader threads x chunk size
+#   warm      rayload bench, TP=1, SIZE_GB from the page cache: scratch, fastsafetensors,
+#             fastsafetensors_gdr (what ran, and why), and the peers; GB/s per GPU
+#   cold      the same from the disk (evicted per file), COLD_SIZE_GB
+#   cpu       the CPU benchmark (TP=4, 1 GB, warm and cold) on this machine's cores
+# Results (every bench's .json/.md/.png) go to $RESULTS ($OUT or benchmarks/results/gpu).
+set -uo pipefail
 
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 SIZE_GB=${SIZE_GB:-8}
+COLD_SIZE_GB=${COLD_SIZE_GB:-2}
 REPEAT=${REPEAT:-3}
+CPU_SIZE_GB=${CPU_SIZE_GB:-1}
+DEADLINE=${DEADLINE:-100000}
 WORKDIR=${WORKDIR:-/tmp/rayload-bench-gpu}
-RESULTS=${OUT:-$REPO/benchmarks/results/gpu}
+RESULTS=${RESULTS:-${OUT:-$REPO/benchmarks/results/gpu}}
 VENV=${VENV:-$REPO/.venv-gpu}
-VERIFY=${VERIFY:-1}   # 0: skip hashing every rank's tensors to check the methods agree
+DEVICE=${DEVICE:-cuda}   # cpu: rehearse the script's flow on a machine without a GPU
+FAILED=()
 
-step "machine"
-command -v nvidia-smi >/dev/null || die "nvidia-smi not found: no NVIDIA driver on this machine"
-nvidia-smi --query-gpu=name,driver_version,memory.total,pci.bus_id --format=csv,noheader \
-  || die "nvidia-smi cannot talk to the driver"
-[ "$(nvidia-smi -L | wc -l)" -ge 1 ] || die "nvidia-smi lists no GPU"
-nproc; uname -r; free -g | head -2
-lsmod 2>/dev/null | grep -E '^nvidia_fs' || echo "nvidia_fs kernel module: not loaded (no GDS)"
+die() { echo "gpu.sh: FAIL: $*" >&2; exit 100; }
+
+# stage NAME LIMIT_S COMMAND...: run COMMAND for at most LIMIT_S, or until DEADLINE; skip
+# it when under 30 s are left; record a failure and go on.
+stage() {
+  local name=$1 limit=$2 rc
+  shift 2
+  (( limit > DEADLINE - SECONDS )) && limit=$(( DEADLINE - SECONDS ))
+  echo
+  if (( limit < 30 )); then
+    echo "== $name: SKIPPED (at ${SECONDS} s, DEADLINE=${DEADLINE} s)"
+    return 0
+  fi
+  echo "== $name (at ${SECONDS} s, limit ${limit} s)"
+  timeout --kill-after=10 "$limit" bash -c '"$@"' _ "$@"  # bash -c: runs functions too
+  rc=$?
+  if (( rc != 0 )); then
+    echo "== $name: FAILED (exit $rc$( ((rc == 124)) && echo ', time limit'))"
+    FAILED+=("$name")
+  fi
+}
+
+bench() {  # bench NAME DEVICE ARGS...: rayload bench into $RESULTS/NAME
+  local name=$1 device=$2
+  shift 2
+  mkdir -p "$RESULTS/$name"
+  "$PY" -m rayload.cli bench --device "$device" --workdir "$WORKDIR" --out "$RESULTS/$name" \
+    --no-startup "$@"
+}
+export -f bench
+export RESULTS WORKDIR
+
+echo "== machine"
+if [ "$DEVICE" = cuda ]; then
+  command -v nvidia-smi >/dev/null || die "nvidia-smi not found: no NVIDIA driver on this machine"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,pci.bus_id,pcie.link.gen.max,pcie.link.width.max \
+    --format=csv,noheader || die "nvidia-smi cannot talk to the driver"
+fi
+echo "cpus: $(nproc)"; uname -r; free -g | head -2
+lsmod 2>/dev/null | grep -E '^nvidia_fs' || echo "nvidia_fs kernel module: not loaded"
 ls /dev/nvidia-fs* 2>/dev/null || echo "/dev/nvidia-fs*: absent"
 [ -f /etc/cufile.json ] && echo "/etc/cufile.json: present" || echo "/etc/cufile.json: absent"
 mkdir -p "$WORKDIR" "$RESULTS"
 df -hT "$WORKDIR"
 avail_gb=$(df -BG --output=avail "$WORKDIR" | tail -1 | tr -dc 0-9)
-[ "$avail_gb" -gt $(( ${SIZE_GB%.*} + 4 )) ] || die "$WORKDIR has ${avail_gb} GB free, need ${SIZE_GB} GB + 4"
+need_gb=$(( ${SIZE_GB%.*} + ${COLD_SIZE_GB%.*} + 4 ))
+(( avail_gb > need_gb )) || die "$WORKDIR has ${avail_gb} GB free, needs ${need_gb} GB"
 
-step "python environment"
+echo; echo "== python environment"
 if [ -n "${PYTHON:-}" ]; then
   PY=$PYTHON
-  "$PY" -m pip install --quiet --no-deps -e "$REPO" || die "cannot install rayload into $PY"
+  "$PY" -c "import rayload" 2>/dev/null || "$PY" -m pip install --quiet --no-deps -e "$REPO" \
+    || die "rayload is not importable by $PY and cannot be installed into it"
 else
   if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV" || die "python3 -m venv failed (install python3-venv)"
@@ -52,33 +98,41 @@ else
   # PyPI's Linux torch wheel is the CUDA build; pin the version the project is tested with.
   "$PY" -m pip install --quiet --upgrade pip \
     && "$PY" -m pip install --quiet "torch==2.13.0" \
-    && "$PY" -m pip install --quiet -e "$REPO[bench]" \
+    && "$PY" -m pip install --quiet -e "$REPO[bench,test]" \
     || die "pip install failed (no package registry reachable?): set PYTHON to an interpreter that has torch with CUDA"
 fi
-"$PY" - <<'EOF' || die "torch cannot use CUDA in this environment"
-import torch
-assert torch.cuda.is_available(), f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU"
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
+export PY
+"$PY" - "$DEVICE" <<'EOF' || die "torch cannot use the device in this environment"
+import sys, torch, fastsafetensors, safetensors, rayload
+print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+      f"fastsafetensors {fastsafetensors.__version__}, safetensors {safetensors.__version__}, "
+      f"rayload from {rayload.__file__}")
+if sys.argv[1] == "cuda":
+    assert torch.cuda.is_available(), f"torch {torch.__version__} sees no GPU"
+    print(f"GPU: {torch.cuda.get_device_name(0)}")
 EOF
-"$PY" -c "import fastsafetensors, safetensors, rayload.benchmark" || die "rayload's bench dependencies are missing"
 
-step "probe (GDS / cuFile as rayload sees them)"
-"$PY" benchmarks/gpu_figures.py probe
+stage probe 60 "$PY" benchmarks/gpu_figures.py probe
+[ "$DEVICE" = cuda ] && stage h2d 60 "$PY" benchmarks/gpu_figures.py h2d 4
+stage tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/loading
+stage verify 120 bench verify "$DEVICE" --quick --tp 1 2 --cache warm --no-split-probe \
+  --methods scratch converted fastsafetensors fastsafetensors_gdr safe_open_slice \
+  fastsafetensors_whole load_file_slice
+CKPT=$WORKDIR/llama-1b-${SIZE_GB}gb
+[ -d "$CKPT" ] || stage checkpoint 120 "$PY" -m rayload.cli make-checkpoint --preset llama-1b \
+  --size-gb "$SIZE_GB" "$CKPT"
+[ "$DEVICE" = cuda ] && stage sweep 120 "$PY" benchmarks/gpu_figures.py sweep "$CKPT"
+stage warm 240 bench warm "$DEVICE" --checkpoint "$CKPT" --tp 1 --cache warm --repeat "$REPEAT" \
+  --no-verify --no-split-probe \
+  --methods scratch fastsafetensors fastsafetensors_gdr fastsafetensors_whole safe_open_slice
+latest=$(ls -t "$RESULTS"/warm/bench-*.json 2>/dev/null | head -1)
+[ -n "$latest" ] && stage summary 30 "$PY" benchmarks/gpu_figures.py summary "$latest"
+stage cold 240 bench cold "$DEVICE" --size-gb "$COLD_SIZE_GB" --tp 1 --cache cold --repeat 1 \
+  --no-verify --no-split-probe \
+  --methods scratch fastsafetensors fastsafetensors_gdr fastsafetensors_whole safe_open_slice
+stage cpu 300 bench cpu cpu --size-gb "$CPU_SIZE_GB" --tp 4 --cache warm cold --repeat 3 --no-split-probe \
+  --methods scratch converted safe_open_slice fastsafetensors_whole limit_alloc
 
-step "host-to-device bandwidth (4 GiB, CUDA events)"
-"$PY" benchmarks/gpu_figures.py h2d 4
-
-step "load onto cuda:0, TP=1 (one GPU), ${SIZE_GB} GB, warm then cold page cache"
-# The limit cases still run (CPU reads): every ratio refers to them. --no-startup: one GPU
-# and no Ray cluster to speak of; the CPU benchmark times rayload.load.
-"$PY" -m rayload.cli bench --device cuda --tp 1 --cache warm cold --repeat "$REPEAT" \
-  --size-gb "$SIZE_GB" --workdir "$WORKDIR" --out "$RESULTS" --no-startup --no-split-probe \
-  --methods scratch fastsafetensors fastsafetensors_gdr fastsafetensors_whole \
-  $([ "$VERIFY" = 1 ] || echo --no-verify) \
-  || die "rayload bench failed (or the methods returned different tensors)"
-
-step "GB/s per GPU, effective methods, what GDS did"
-latest=$(ls -t "$RESULTS"/bench-*.json | head -1)
-"$PY" benchmarks/gpu_figures.py summary "$latest"
 echo
-echo "full report: ${latest%.json}.md"
+echo "== done in ${SECONDS} s; failed stages: ${FAILED[*]:-none}; results in $RESULTS"
+exit "${#FAILED[@]}"

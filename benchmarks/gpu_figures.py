@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_figures.py probe          # what rayload's probe sees (GDS, cuFile)
     python benchmarks/gpu_figures.py h2d [GiB]      # host-to-device bandwidth, pinned/pageable
+    python benchmarks/gpu_figures.py sweep CKPT     # scratch onto cuda:0, reader settings
     python benchmarks/gpu_figures.py summary JSON   # GB/s per GPU and effective methods
 
 Every sub-command prints lines of ``key: value`` and exits non-zero on a failed check.
@@ -10,8 +11,10 @@ Every sub-command prints lines of ``key: value`` and exits non-zero on a failed 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
+import time
 from typing import Any
 
 TARGET_GBPS = 35.0
@@ -60,6 +63,49 @@ def h2d(gib: float) -> int:
     return 0
 
 
+def sweep(checkpoint: str, repeat: int = 2) -> int:
+    """scratch, TP=1, onto the local GPU from the page cache with several reader settings
+    (threads x chunk size, staging = threads + 2 pinned chunks): the best of ``repeat``
+    loads as GB/s of ``load_rank`` end to end (headers, plan, pinned allocation, reads,
+    copies, ``rank.sync``), and that load's phases. In-process, one load at a time."""
+    import torch
+
+    from rayload.loading import load_rank
+    from rayload.loading.backends import ReaderOptions
+
+    files = sorted(os.path.join(checkpoint, f) for f in os.listdir(checkpoint))
+    for path in files:  # into the page cache
+        with open(path, "rb") as f:
+            while f.read(64 << 20):
+                pass
+    torch.zeros(1, device="cuda")
+    print(f"sweep.cpus: {os.cpu_count()}")
+    for threads in (4, 8, 12, 16):
+        for chunk_mib in (8, 32, 64):
+            options = ReaderOptions(threads=threads, chunk_bytes=chunk_mib << 20)
+            best: tuple[float, Any] | None = None
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                tensors, report = load_rank(
+                    checkpoint, 0, 1, "scratch", "cuda", reader_options=options, strict=True
+                )
+                seconds = time.perf_counter() - t0
+                nbytes = report.bytes_read
+                del tensors
+                if best is None or seconds < best[0]:
+                    best = (seconds, report)
+            assert best is not None
+            seconds, report = best
+            phases = ", ".join(f"{p.name} {p.seconds * 1e3:.1f} ms" for p in report.phases)
+            print(
+                f"sweep.scratch.threads{threads}.chunk{chunk_mib}MiB: "
+                f"{nbytes / seconds / 1e9:.1f} GB/s ({nbytes / 1e9:.2f} GB in "
+                f"{seconds:.3f} s; {phases})"
+            )
+            torch.cuda.empty_cache()
+    return 0
+
+
 def summary(path: str) -> int:
     """GB/s per GPU (TP=1, one GPU: checkpoint bytes / median wall) of every rayload case,
     its effective method, and the 35 GB/s page-cache target."""
@@ -96,6 +142,8 @@ if __name__ == "__main__":
         sys.exit(probe())
     if command == "h2d":
         sys.exit(h2d(float(rest[0]) if rest else 4.0))
+    if command == "sweep":
+        sys.exit(sweep(rest[0]))
     if command == "summary":
         sys.exit(summary(rest[0]))
-    sys.exit(f"unknown command {command!r}; use probe, h2d or summary")
+    sys.exit(f"unknown command {command!r}; use probe, h2d, sweep or summary")
