@@ -8,6 +8,7 @@
 #                                     # rayload's loading dependencies (rayload itself on
 #                                     # PYTHONPATH=src, or installed)
 #   DEADLINE=420 benchmarks/gpu.sh    # end by 420 s: later stages are cut short or skipped
+#   STAGES="verify warm" benchmarks/gpu.sh   # only these stages
 #
 # Stages, in order of importance (each under its own time limit; a failed stage is
 # reported and the next one runs; the exit code is the number of failed stages):
@@ -17,6 +18,7 @@
 #   verify    every method and peer onto cuda:0 at TP 1 and 2 on a small checkpoint, with
 #             the tensors of all cases hashed and compared
 #   sweep     scratch onto cuda:0 from the page cache, reader threads x chunk size
+#   register  experiment: DMA straight out of the page cache (cudaHostRegister on mmap)
 #   warm      rayload bench, TP=1, SIZE_GB from the page cache: scratch, fastsafetensors,
 #             fastsafetensors_gdr (what ran, and why), and the peers; GB/s per GPU
 #   cold      the same from the disk (evicted per file), COLD_SIZE_GB
@@ -34,6 +36,7 @@ DEADLINE=${DEADLINE:-100000}
 WORKDIR=${WORKDIR:-/tmp/rayload-bench-gpu}
 RESULTS=${RESULTS:-${OUT:-$REPO/benchmarks/results/gpu}}
 VENV=${VENV:-$REPO/.venv-gpu}
+STAGES=${STAGES:-}      # empty: every stage
 DEVICE=${DEVICE:-cuda}   # cpu: rehearse the script's flow on a machine without a GPU
 FAILED=()
 
@@ -46,6 +49,10 @@ stage() {
   shift 2
   (( limit > DEADLINE - SECONDS )) && limit=$(( DEADLINE - SECONDS ))
   echo
+  if [ -n "$STAGES" ] && [[ " $STAGES " != *" $name "* ]]; then
+    echo "== $name: not in STAGES"
+    return 0
+  fi
   if (( limit < 30 )); then
     echo "== $name: SKIPPED (at ${SECONDS} s, DEADLINE=${DEADLINE} s)"
     return 0
@@ -122,6 +129,7 @@ CKPT=$WORKDIR/llama-1b-${SIZE_GB}gb
 [ -d "$CKPT" ] || stage checkpoint 120 "$PY" -m rayload.cli make-checkpoint --preset llama-1b \
   --size-gb "$SIZE_GB" "$CKPT"
 [ "$DEVICE" = cuda ] && stage sweep 120 "$PY" benchmarks/gpu_figures.py sweep "$CKPT"
+[ "$DEVICE" = cuda ] && stage register 90 "$PY" benchmarks/gpu_figures.py register "$CKPT"
 stage warm 240 bench warm "$DEVICE" --checkpoint "$CKPT" --tp 1 --cache warm --repeat "$REPEAT" \
   --no-verify --no-split-probe \
   --methods scratch fastsafetensors fastsafetensors_gdr fastsafetensors_whole safe_open_slice

@@ -3,6 +3,7 @@
     python benchmarks/gpu_figures.py probe          # what rayload's probe sees (GDS, cuFile)
     python benchmarks/gpu_figures.py h2d [GiB]      # host-to-device bandwidth, pinned/pageable
     python benchmarks/gpu_figures.py sweep CKPT     # scratch onto cuda:0, reader settings
+    python benchmarks/gpu_figures.py register CKPT  # experiment: DMA out of the page cache
     python benchmarks/gpu_figures.py summary JSON   # GB/s per GPU and effective methods
 
 Every sub-command prints lines of ``key: value`` and exits non-zero on a failed check.
@@ -73,11 +74,7 @@ def sweep(checkpoint: str, repeat: int = 2) -> int:
     from rayload.loading import load_rank
     from rayload.loading.backends import ReaderOptions
 
-    files = sorted(os.path.join(checkpoint, f) for f in os.listdir(checkpoint))
-    for path in files:  # into the page cache
-        with open(path, "rb") as f:
-            while f.read(64 << 20):
-                pass
+    _warm_files(checkpoint)
     torch.zeros(1, device="cuda")
     print(f"sweep.cpus: {os.cpu_count()}")
     for threads in (4, 8, 12, 16):
@@ -103,6 +100,131 @@ def sweep(checkpoint: str, repeat: int = 2) -> int:
                 f"{seconds:.3f} s; {phases})"
             )
             torch.cuda.empty_cache()
+    return 0
+
+
+def _warm_files(checkpoint: str) -> list[str]:
+    """The checkpoint's safetensors files, read once so they are in the page cache."""
+    files = sorted(
+        os.path.join(checkpoint, f) for f in os.listdir(checkpoint) if f.endswith(".safetensors")
+    )
+    for path in files:
+        with open(path, "rb") as f:
+            while f.read(64 << 20):
+                pass
+    return files
+
+
+def register(checkpoint: str) -> int:
+    """Experiment, not a rayload method: copy the page cache to the GPU with no pinned
+    bounce buffer. Each file is mapped read-only (MAP_SHARED); pieces of the mapping are
+    page-locked with ``cudaHostRegister(..., cudaHostRegisterReadOnly)`` and copied with
+    one DMA each. Prints registration and copy rates separately (whole files, one
+    thread), then a pipeline where each of N threads registers a piece, copies it on its
+    own stream, waits, unregisters."""
+    import ctypes
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    import torch
+
+    cudart = torch.cuda.cudart()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    files = _warm_files(checkpoint)
+    sizes = [os.path.getsize(f) for f in files]
+    total = sum(sizes)
+    maps = []
+    for path, size in zip(files, sizes, strict=True):
+        fd = os.open(path, os.O_RDONLY)
+        addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+        os.close(fd)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            print(f"register: mmap failed: {os.strerror(ctypes.get_errno())}")
+            return 1
+        maps.append((addr, size))
+    host = [
+        torch.from_numpy(np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(addr)))
+        for addr, size in maps
+    ]
+    dst = [torch.empty(size, dtype=torch.uint8, device="cuda") for size in sizes]
+    torch.cuda.synchronize()
+
+    def reg(addr: int, size: int, flags: int) -> int:
+        return int(cudart.cudaHostRegister(addr, size, flags))
+
+    def unreg(addr: int) -> int:
+        return int(cudart.cudaHostUnregister(addr))
+
+    # 1. Whole files, one thread: what registration and the copy each cost.
+    for flags, label in ((8, "readonly"), (0, "default")):
+        t0 = time.perf_counter()
+        errors = [reg(addr, size, flags) for addr, size in maps]
+        t_reg = time.perf_counter() - t0
+        if any(errors):
+            print(f"register.{label}: cudaHostRegister failed, errors {sorted(set(errors))}")
+            for (addr, _), err in zip(maps, errors, strict=True):
+                if not err:
+                    unreg(addr)
+            continue
+        print(f"register.{label}.pinned_memory: {host[0].is_pinned()}")
+        t0 = time.perf_counter()
+        for d, h in zip(dst, host, strict=True):
+            d.copy_(h, non_blocking=True)
+        torch.cuda.synchronize()
+        t_copy = time.perf_counter() - t0
+        ok = all(torch.equal(d[:4096].cpu(), h[:4096]) for d, h in zip(dst, host, strict=True))
+        t0 = time.perf_counter()
+        errors = [unreg(addr) for addr, _ in maps]
+        t_unreg = time.perf_counter() - t0
+        print(
+            f"register.{label}.whole_files: register {total / t_reg / 1e9:.1f} GB/s "
+            f"({t_reg:.3f} s), copy {total / t_copy / 1e9:.1f} GB/s ({t_copy:.3f} s), "
+            f"unregister {t_unreg:.3f} s, end to end {total / (t_reg + t_copy + t_unreg) / 1e9:.1f}"
+            f" GB/s, bytes agree: {ok}, unregister errors: {sorted(set(errors))}"
+        )
+        break
+    else:
+        return 0
+
+    # 2. The pipeline: pieces registered, copied and released by N threads at once.
+    local = threading.local()
+
+    def piece(i: int, off: int, n: int) -> int:
+        stream = getattr(local, "stream", None) or torch.cuda.Stream()
+        local.stream = stream
+        addr = maps[i][0] + off
+        err = reg(addr, n, flags)
+        if err:
+            return err
+        with torch.cuda.stream(stream):
+            dst[i][off : off + n].copy_(host[i][off : off + n], non_blocking=True)
+        stream.synchronize()
+        return unreg(addr)
+
+    for threads in (4, 8, 16):
+        for piece_mib in (16, 64):
+            step = piece_mib << 20
+            jobs = [
+                (i, off, min(step, size - off))
+                for i, size in enumerate(sizes)
+                for off in range(0, size, step)
+            ]
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(threads) as pool:
+                errors = list(pool.map(lambda j: piece(*j), jobs))
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            print(
+                f"register.pipeline.threads{threads}.piece{piece_mib}MiB: "
+                f"{total / seconds / 1e9:.1f} GB/s ({seconds:.3f} s), "
+                f"errors {sorted(set(errors))}"
+            )
+    for addr, size in maps:
+        libc.munmap(addr, size)
     return 0
 
 
@@ -144,6 +266,8 @@ if __name__ == "__main__":
         sys.exit(h2d(float(rest[0]) if rest else 4.0))
     if command == "sweep":
         sys.exit(sweep(rest[0]))
+    if command == "register":
+        sys.exit(register(rest[0]))
     if command == "summary":
         sys.exit(summary(rest[0]))
     sys.exit(f"unknown command {command!r}; use probe, h2d, sweep or summary")

@@ -124,6 +124,19 @@ def test_scratch_small_chunks_split_large_tensors_and_stay_exact(
     assert max(r.length for r in plan_reads(shard_segments(plan.shards), 4096)) <= 4096
 
 
+def test_reader_threads_are_decided_per_destination() -> None:
+    unset = ReaderOptions()
+    with pytest.raises(ValueError, match="for_device"):
+        _ = unset.window  # an undecided thread count cannot size the window
+    host = unset.for_device(torch.device("cpu"))
+    assert (host.threads, host.window) == (4, 6)
+    cpus = len(os.sched_getaffinity(0))
+    gpu = unset.for_device(torch.device("cuda", 0))  # no CUDA needed to decide
+    assert gpu.threads == min(16, max(4, cpus))
+    fixed = ReaderOptions(threads=3)
+    assert fixed.for_device(torch.device("cuda", 0)) is fixed
+
+
 def test_scratch_reads_no_more_bytes_than_the_plan(
     mixed_dtype_checkpoint: Path, probe: EnvProbe
 ) -> None:

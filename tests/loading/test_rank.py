@@ -111,7 +111,8 @@ def test_report_describes_the_rank_load(mixed_dtype_checkpoint: Path) -> None:
     timer = PhaseTimer()
     tensors, report = load_rank(mixed_dtype_checkpoint, 1, 2, "scratch", "auto", timer=timer)
     plan = plan_shards(mixed_dtype_checkpoint, 2).ranks[1]
-    assert (report.rank, report.tp_size, report.device, report.model_role) == (1, 2, "cpu", "main")
+    local = "cuda:0" if torch.cuda.is_available() else "cpu"  # what "auto" means here
+    assert (report.rank, report.tp_size, report.device, report.model_role) == (1, 2, local, "main")
     assert report.bytes_read == plan.nbytes
     assert report.tensors == len(tensors) == len(plan.shards)
     assert report.files == plan.files

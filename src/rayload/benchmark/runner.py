@@ -256,7 +256,8 @@ def run_case(
             files=prep.files,
             splits=prep.splits[tp] if case.per_rank else {},
             converted=prep.converted.get(tp),
-            device=config.device,
+            # The local GPU by index: fastsafetensors refuses a bare "cuda".
+            device="cuda:0" if config.device == "cuda" else config.device,
             verify=config.verify,
         )
         for rank in range(ranks)

@@ -12,9 +12,10 @@ classes sharing a base.
 from __future__ import annotations
 
 import logging
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar, TypeVar
 
 import torch
@@ -38,8 +39,12 @@ class ReaderOptions:
     ``staging_buffers * chunk_bytes`` of pinned host memory), whatever the shard size.
     """
 
-    threads: int = 4
-    """Reader threads issuing positional reads in parallel."""
+    threads: int | None = None
+    """Reader threads issuing positional reads in parallel. None: 4 for host
+    destinations; for CUDA destinations one per CPU this process may run on, 4 to 16.
+    A GPU load from the page cache is bound by the threads' copies out of the page cache
+    into pinned memory: on a 16-core H200 host, 8 GB went at 15 GB/s with 4 threads and
+    27 GB/s with 12 or 16 (docs/benchmarks.md)."""
     chunk_bytes: int = 32 << 20
     """The most bytes one read request covers; large tensors are split into chunks so
     they are read in parallel, and small file-contiguous tensors are merged up to it."""
@@ -48,16 +53,26 @@ class ReaderOptions:
     ``threads + 2`` (every thread busy while the oldest two chunks are being copied)."""
 
     def __post_init__(self) -> None:
-        if self.threads < 1:
+        if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be >= 4096, got {self.chunk_bytes}")
         if self.staging_buffers < 0:
             raise ValueError(f"staging_buffers must be >= 0, got {self.staging_buffers}")
 
+    def for_device(self, device: torch.device) -> ReaderOptions:
+        """These options with ``threads`` decided for reading into ``device``."""
+        if self.threads is not None:
+            return self
+        if device.type != "cuda":
+            return replace(self, threads=4)
+        return replace(self, threads=min(16, max(4, len(os.sched_getaffinity(0)))))
+
     @property
     def window(self) -> int:
-        """Reads in flight at once (one per staging buffer)."""
+        """Reads in flight at once (one per staging buffer); needs ``threads`` decided."""
+        if self.threads is None:
+            raise ValueError("ReaderOptions.window: call for_device() first")
         return self.staging_buffers or self.threads + 2
 
 

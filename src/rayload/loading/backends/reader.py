@@ -163,6 +163,7 @@ def read_segments(
     """Allocate one byte buffer of ``sizes[i]`` per destination on ``device`` and read
     ``segments`` into them. Returns the buffers, the sink (call ``finish()`` before using
     device buffers) and the bytes read."""
+    options = options.for_device(device)
     if device.type == "cuda":
         buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
         sink: Sink = StagedDeviceSink(buffers, options)
