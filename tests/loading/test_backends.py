@@ -124,17 +124,17 @@ def test_scratch_small_chunks_split_large_tensors_and_stay_exact(
     assert max(r.length for r in plan_reads(shard_segments(plan.shards), 4096)) <= 4096
 
 
-def test_reader_threads_are_decided_per_destination() -> None:
+def test_reader_threads_and_chunks_are_decided_per_destination() -> None:
     unset = ReaderOptions()
     with pytest.raises(ValueError, match="for_device"):
         _ = unset.window  # an undecided thread count cannot size the window
     host = unset.for_device(torch.device("cpu"))
-    assert (host.threads, host.window) == (4, 6)
+    assert (host.threads, host.chunk_bytes, host.window) == (4, 32 << 20, 6)
     cpus = len(os.sched_getaffinity(0))
     gpu = unset.for_device(torch.device("cuda", 0))  # no CUDA needed to decide
-    assert gpu.threads == min(16, max(4, cpus))
-    fixed = ReaderOptions(threads=3)
-    assert fixed.for_device(torch.device("cuda", 0)) is fixed
+    assert (gpu.threads, gpu.chunk_bytes) == (min(16, max(4, cpus)), 8 << 20)
+    fixed = ReaderOptions(threads=3, chunk_bytes=1 << 20)
+    assert fixed.for_device(torch.device("cuda", 0)) == fixed
 
 
 def test_scratch_reads_no_more_bytes_than_the_plan(
@@ -271,6 +271,22 @@ def test_plan_reads_splits_strided_rows_on_row_boundaries() -> None:
         (32000, 2000, 1000),
     ]
     assert [r.segments[0].target_offset for r in reads] == [0, 4000, 8000]
+
+
+def test_plan_reads_splits_a_row_longer_than_a_chunk() -> None:
+    # A CUDA staging buffer is one chunk: no read may be longer, even for one row.
+    seg = Segment("f", 0, 2 * 10000, 0, 0, "m", row=10000, stride=40000)
+    reads = plan_reads([seg], 4096)
+    assert max(r.length for r in reads) <= 4096
+    assert [(r.offset, r.length, r.row) for r in reads] == [
+        (0, 4096, 0),
+        (4096, 4096, 0),
+        (8192, 1808, 0),
+        (40000, 4096, 0),
+        (44096, 4096, 0),
+        (48192, 1808, 0),
+    ]
+    assert [r.segments[0].target_offset for r in reads] == [0, 4096, 8192, 10000, 14096, 18192]
 
 
 def test_plan_reads_drops_empty_segments() -> None:

@@ -45,9 +45,13 @@ class ReaderOptions:
     A GPU load from the page cache is bound by the threads' copies out of the page cache
     into pinned memory: on a 16-core H200 host, 8 GB went at 15 GB/s with 4 threads and
     27 GB/s with 12 or 16 (docs/benchmarks.md)."""
-    chunk_bytes: int = 32 << 20
+    chunk_bytes: int | None = None
     """The most bytes one read request covers; large tensors are split into chunks so
-    they are read in parallel, and small file-contiguous tensors are merged up to it."""
+    they are read in parallel, and small file-contiguous tensors are merged up to it.
+    None: 32 MiB for host destinations, 8 MiB for CUDA ones, where each read in flight
+    holds a pinned staging buffer of this size: page-locking fresh memory is slow
+    (576 MiB of 32 MiB buffers cost a fresh process about 0.4 s on the H200 host), and
+    8 MiB reads were as fast as 32 MiB ones there with 12 or 16 threads."""
     staging_buffers: int = 0
     """Pinned host buffers of ``chunk_bytes`` for host-to-device copies; 0 means
     ``threads + 2`` (every thread busy while the oldest two chunks are being copied)."""
@@ -55,18 +59,21 @@ class ReaderOptions:
     def __post_init__(self) -> None:
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.chunk_bytes < 4096:
+        if self.chunk_bytes is not None and self.chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be >= 4096, got {self.chunk_bytes}")
         if self.staging_buffers < 0:
             raise ValueError(f"staging_buffers must be >= 0, got {self.staging_buffers}")
 
     def for_device(self, device: torch.device) -> ReaderOptions:
-        """These options with ``threads`` decided for reading into ``device``."""
-        if self.threads is not None:
-            return self
-        if device.type != "cuda":
-            return replace(self, threads=4)
-        return replace(self, threads=min(16, max(4, len(os.sched_getaffinity(0)))))
+        """These options with ``threads`` and ``chunk_bytes`` decided for ``device``."""
+        cuda = device.type == "cuda"
+        threads = min(16, max(4, len(os.sched_getaffinity(0)))) if cuda else 4
+        chunk = (8 if cuda else 32) << 20
+        return replace(
+            self,
+            threads=self.threads if self.threads is not None else threads,
+            chunk_bytes=self.chunk_bytes if self.chunk_bytes is not None else chunk,
+        )
 
     @property
     def window(self) -> int:

@@ -133,6 +133,22 @@ def _split(segments: Iterable[Segment], chunk_bytes: int) -> Iterator[Segment]:
 
 def _split_rows(seg: Segment, chunk_bytes: int) -> Iterator[Segment]:
     rows = seg.length // seg.row
+    if seg.row > chunk_bytes:  # a row alone is over a chunk: each row in contiguous pieces
+        for i in range(rows):
+            yield from _split(
+                [
+                    Segment(
+                        seg.file,
+                        seg.offset + i * seg.stride,
+                        seg.row,
+                        seg.target,
+                        seg.target_offset + i * seg.row,
+                        seg.tensor,
+                    )
+                ],
+                chunk_bytes,
+            )
+        return
     per_piece = max(1, chunk_bytes // seg.row)
     for first in range(0, rows, per_piece):
         count = min(per_piece, rows - first)
