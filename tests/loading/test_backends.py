@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from rayload.errors import CheckpointError, ConfigError
 from rayload.loading.backends import BACKENDS, Backend, ReaderOptions, register
+from rayload.loading.backends.base import ReadSettings
 from rayload.loading.backends.fastsafetensors import FastsafetensorsGdrBackend
 from rayload.loading.backends.readplan import Segment, plan_reads, shard_segments
 from rayload.loading.checkpoint import open_checkpoint
@@ -125,16 +126,14 @@ def test_scratch_small_chunks_split_large_tensors_and_stay_exact(
 
 
 def test_reader_threads_and_chunks_are_decided_per_destination() -> None:
-    unset = ReaderOptions()
-    with pytest.raises(ValueError, match="for_device"):
-        _ = unset.window  # an undecided thread count cannot size the window
-    host = unset.for_device(torch.device("cpu"))
+    host = ReaderOptions().for_device(torch.device("cpu"))
     assert (host.threads, host.chunk_bytes, host.window) == (4, 32 << 20, 6)
     cpus = len(os.sched_getaffinity(0))
-    gpu = unset.for_device(torch.device("cuda", 0))  # no CUDA needed to decide
+    gpu = ReaderOptions().for_device(torch.device("cuda", 0))  # no CUDA needed to decide
     assert (gpu.threads, gpu.chunk_bytes) == (min(16, max(4, cpus)), 8 << 20)
-    fixed = ReaderOptions(threads=3, chunk_bytes=1 << 20)
-    assert fixed.for_device(torch.device("cuda", 0)) == fixed
+    assert gpu.window == gpu.threads + 2
+    fixed = ReaderOptions(threads=3, chunk_bytes=1 << 20, staging_buffers=2)
+    assert fixed.for_device(torch.device("cuda", 0)) == ReadSettings(3, 1 << 20, 2)
 
 
 def test_scratch_reads_no_more_bytes_than_the_plan(

@@ -15,7 +15,7 @@ import logging
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
 import torch
@@ -64,23 +64,22 @@ class ReaderOptions:
         if self.staging_buffers < 0:
             raise ValueError(f"staging_buffers must be >= 0, got {self.staging_buffers}")
 
-    def for_device(self, device: torch.device) -> ReaderOptions:
-        """These options with ``threads`` and ``chunk_bytes`` decided for ``device``."""
+    def for_device(self, device: torch.device) -> ReadSettings:
+        """These options decided for reading into ``device``."""
         cuda = device.type == "cuda"
-        threads = min(16, max(4, len(os.sched_getaffinity(0)))) if cuda else 4
-        chunk = (8 if cuda else 32) << 20
-        return replace(
-            self,
-            threads=self.threads if self.threads is not None else threads,
-            chunk_bytes=self.chunk_bytes if self.chunk_bytes is not None else chunk,
-        )
+        threads = self.threads or (min(16, max(4, len(os.sched_getaffinity(0)))) if cuda else 4)
+        chunk = self.chunk_bytes or ((8 if cuda else 32) << 20)
+        return ReadSettings(threads, chunk, self.staging_buffers or threads + 2)
 
-    @property
-    def window(self) -> int:
-        """Reads in flight at once (one per staging buffer); needs ``threads`` decided."""
-        if self.threads is None:
-            raise ValueError("ReaderOptions.window: call for_device() first")
-        return self.staging_buffers or self.threads + 2
+
+@dataclass(frozen=True)
+class ReadSettings:
+    """:class:`ReaderOptions` decided for one destination device."""
+
+    threads: int
+    chunk_bytes: int
+    window: int
+    """Reads in flight at once (on CUDA, one pinned staging buffer each)."""
 
 
 @dataclass(frozen=True)

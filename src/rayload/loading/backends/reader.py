@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import torch
 
 from rayload.errors import CheckpointError
-from rayload.loading.backends.base import ReaderOptions
+from rayload.loading.backends.base import ReaderOptions, ReadSettings
 from rayload.loading.backends.readplan import Batch, Read, Segment, batch_reads, plan_reads
 from rayload.loading.backends.sinks import HostSink, Sink, StagedDeviceSink, Views, host_view
 from rayload.loading.dtypes import torch_dtype
@@ -37,23 +37,23 @@ read; reads of one run call it concurrently and in no particular order."""
 def run_reads(
     batches: Sequence[Batch],
     sink: Sink,
-    options: ReaderOptions,
+    settings: ReadSettings,
     *,
     on_read: ReadHook | None = None,
 ) -> int:
-    """Execute ``batches`` into ``sink`` on ``options.threads`` threads, at most
-    ``options.window`` in flight; return the bytes read (the sum of what ``os.preadv``
+    """Execute ``batches`` into ``sink`` on ``settings.threads`` threads, at most
+    ``settings.window`` in flight; return the bytes read (the sum of what ``os.preadv``
     returned). ``on_read`` (thread-safe) sees every read on the thread that performed it,
     before its batch is released. A file shorter than a read is a CheckpointError naming
     it."""
     total = 0
     files = (r.file for b in batches for r in b.reads)
-    pool = ThreadPoolExecutor(options.threads, thread_name_prefix="rayload-read")
+    pool = ThreadPoolExecutor(settings.threads, thread_name_prefix="rayload-read")
     with _open_files(files) as fds:
         inflight: deque[tuple[Batch, Views, Future[int]]] = deque()
         try:
             for batch in batches:
-                if len(inflight) >= options.window:
+                if len(inflight) >= settings.window:
                     total += _finish(inflight.popleft(), sink)
                 views = sink.acquire(batch)
                 future = pool.submit(_pread_batch, fds, batch, views, on_read)
@@ -163,15 +163,16 @@ def read_segments(
     """Allocate one byte buffer of ``sizes[i]`` per destination on ``device`` and read
     ``segments`` into them. Returns the buffers, the sink (call ``finish()`` before using
     device buffers) and the bytes read."""
-    options = options.for_device(device)
+    settings = options.for_device(device)
     if device.type == "cuda":
         buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
-        sink: Sink = StagedDeviceSink(buffers, options)
+        sink: Sink = StagedDeviceSink(buffers, settings)
     else:
         buffers = [torch.empty(n, dtype=torch.uint8) for n in sizes]
         sink = HostSink([host_view(b) for b in buffers])
-    batches = batch_reads(plan_reads(segments, options.chunk_bytes), options.chunk_bytes)
-    return buffers, sink, run_reads(batches, sink, options, on_read=on_read)
+    chunk = settings.chunk_bytes
+    batches = batch_reads(plan_reads(segments, chunk), chunk)
+    return buffers, sink, run_reads(batches, sink, settings, on_read=on_read)
 
 
 def shard_tensors(

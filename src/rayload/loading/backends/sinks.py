@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from rayload.loading.backends.base import ReaderOptions
+from rayload.loading.backends.base import ReadSettings
 from rayload.loading.backends.readplan import Batch
 
 Views = list[list[memoryview]]
@@ -63,13 +63,13 @@ class StagedDeviceSink:
     destinations on a side stream, one copy per run of bytes that is contiguous in both
     (the rows of a split-1 shard become one copy). ``finish()`` waits for the last copy."""
 
-    def __init__(self, targets: Sequence[torch.Tensor], options: ReaderOptions) -> None:
+    def __init__(self, targets: Sequence[torch.Tensor], settings: ReadSettings) -> None:
         self.targets = targets
         self.device = targets[0].device if targets else torch.device("cuda", 0)
         self.stream = torch.cuda.Stream(self.device)
         self._free: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque(
-            (torch.empty(options.chunk_bytes, dtype=torch.uint8, pin_memory=True), None)
-            for _ in range(options.window)
+            (torch.empty(settings.chunk_bytes, dtype=torch.uint8, pin_memory=True), None)
+            for _ in range(settings.window)
         )
         self._busy: deque[torch.Tensor] = deque()  # acquired, in batch order
 
