@@ -87,6 +87,7 @@ def test_bytes_read_cover_what_each_reader_must_read(bench_result: dict[str, Any
 def test_peak_rss_covers_the_resident_shard(bench_result: dict[str, Any]) -> None:
     for s in bench_result["samples"]:
         for r in s["ranks"]:
+            assert r["host_shard_bytes"] == r["shard_bytes"], (s["case"], r)  # a CPU run
             assert r["rss_peak_delta"] >= r["shard_bytes"] - 4096, (s["case"], r)
     assert bench_result["baseline_rss"] > 50 << 20  # python + torch
 

@@ -10,7 +10,9 @@ Definitions (also in docs/benchmarks.md):
 * ``rank_bytes_read``: the most any rank read (``rchar`` + memory-mapped pages touched).
 * ``read_amplification``: bytes read by all ranks together / checkpoint bytes.
 * ``rss_peak_delta``: the largest per-rank rise of resident memory during the load; the
-  rank's shard stays resident, so ``rss_overhead = rss_peak_delta - shard_bytes``.
+  rank's shard stays resident, so ``rss_overhead = rss_peak_delta - host shard bytes``
+  (on a GPU the shard is in device memory: all of the rise is overhead, e.g. pinned
+  staging buffers).
 * ``x_limit``: ``wall_s`` / the limit's ``wall_s`` in the same cache state (1.0 = as fast
   as one sequential read of the checkpoint into a reused buffer). ``x_limit_alloc``: the
   same against ``limit_alloc``, the sequential read into newly allocated memory.
@@ -95,6 +97,7 @@ def _one(key: tuple[str, int, str], runs: list[CaseSample], ckpt_bytes: int) -> 
     wall = median(lambda r: r.wall_s)
     shard = max((x.shard_bytes for r in ok for x in r.ranks), default=0)
     rss = int(median(lambda r: max(x.rss_peak_delta for x in r.ranks))) if ok else 0
+    host_shard = max((x.host_shard_bytes for r in ok for x in r.ranks), default=0)
     return CaseSummary(
         case=case,
         kind=CASES[case].kind,
@@ -111,7 +114,7 @@ def _one(key: tuple[str, int, str], runs: list[CaseSample], ckpt_bytes: int) -> 
         read_amplification=median(lambda r: sum(x.bytes_read for x in r.ranks) / ckpt_bytes),
         rss_peak_delta=rss,
         shard_bytes=shard,
-        rss_overhead=rss - shard,
+        rss_overhead=rss - host_shard,
         cached_before=median(lambda r: r.cached_before),
         effective=tuple(sorted({x.effective for r in ok for x in r.ranks if x.effective})),
         error=next((r.error for r in runs if r.error), None),

@@ -34,7 +34,8 @@ class RankSample:
     machine, so a case's wall time is ``max(end) - min(start)`` over its ranks.
     ``bytes_read`` = ``rchar`` delta + file pages touched through memory maps.
     ``rss_peak_delta`` = peak RSS during the case - RSS just before it; the returned
-    tensors are still resident at the end, so it is at least ``shard_bytes``.
+    tensors are still resident at the end, so it is at least ``host_shard_bytes``, the
+    part of ``shard_bytes`` in host memory (all of it on CPU, none on a GPU).
     """
 
     rank: int
@@ -46,6 +47,7 @@ class RankSample:
     rss_peak: int = 0
     tensors: int = 0
     shard_bytes: int = 0
+    host_shard_bytes: int = 0
     digest: str | None = None
     effective: str | None = None
     fallback_reason: str | None = None
@@ -74,6 +76,7 @@ class RankSample:
             "rss_peak_delta": self.rss_peak_delta,
             "tensors": self.tensors,
             "shard_bytes": self.shard_bytes,
+            "host_shard_bytes": self.host_shard_bytes,
             "digest": self.digest,
             "effective": self.effective,
             "fallback_reason": self.fallback_reason,
@@ -132,7 +135,8 @@ def _measure(job: RankJob, barrier: Any, barrier_timeout_s: float) -> RankSample
         rss_before=rss_before,
         rss_peak=rss_peak,
         tensors=len(loaded.tensors),
-        shard_bytes=sum(t.numel() * t.element_size() for t in loaded.tensors.values()),
+        shard_bytes=sum(t.nbytes for t in loaded.tensors.values()),
+        host_shard_bytes=sum(t.nbytes for t in loaded.tensors.values() if t.device.type == "cpu"),
         digest=digest(loaded.tensors) if job.verify and loaded.tensors else None,
         effective=loaded.effective,
         fallback_reason=loaded.fallback_reason,
