@@ -131,8 +131,8 @@ CKPT=$WORKDIR/llama-1b-${SIZE_GB}gb
 [ "$DEVICE" = cuda ] && stage sweep 120 "$PY" benchmarks/gpu_figures.py sweep "$CKPT"
 [ "$DEVICE" = cuda ] && stage register 90 "$PY" benchmarks/gpu_figures.py register "$CKPT"
 stage warm 240 bench warm "$DEVICE" --checkpoint "$CKPT" --tp 1 --cache warm --repeat "$REPEAT" \
-  --no-verify --no-split-probe \
-  --methods scratch fastsafetensors fastsafetensors_gdr fastsafetensors_whole safe_open_slice
+  --no-verify --no-split-probe --methods limit_parallel \
+  scratch fastsafetensors fastsafetensors_gdr fastsafetensors_whole safe_open_slice
 latest=$(ls -t "$RESULTS"/warm/bench-*.json 2>/dev/null | head -1)
 [ -n "$latest" ] && stage summary 30 "$PY" benchmarks/gpu_figures.py summary "$latest"
 stage cold 240 bench cold "$DEVICE" --size-gb "$COLD_SIZE_GB" --tp 1 --cache cold --repeat 1 \

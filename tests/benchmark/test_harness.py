@@ -63,7 +63,8 @@ def test_cold_cases_start_uncached_and_warm_cases_cached(bench_result: dict[str,
 def test_limits_read_every_checkpoint_byte_once(bench_result: dict[str, Any]) -> None:
     ckpt = bench_result["checkpoint"]
     assert ckpt["bytes"] == sum(os.path.getsize(f) for f in ckpt["files"])
-    for s in _samples(bench_result, "limit") + _samples(bench_result, "limit_alloc"):
+    limits = ("limit", "limit_alloc", "limit_parallel")
+    for s in [s for name in limits for s in _samples(bench_result, name)]:
         (rank,) = s["ranks"]
         # rchar also counts the few hundred bytes of reading /proc/self/io itself
         assert ckpt["bytes"] <= rank["rchar_bytes"] < ckpt["bytes"] + 16_384

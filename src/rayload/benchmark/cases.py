@@ -14,7 +14,9 @@ plan), so their outputs can be compared byte for byte.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -177,6 +179,29 @@ def _sequential_read(job: RankJob) -> Loaded:
     return Loaded()
 
 
+def _parallel_read(job: RankJob) -> Loaded:
+    """The limit of a machine with many cores, where one thread does not reach memory
+    bandwidth: the same bytes read by one thread per CPU, each into a reused buffer of its
+    own, in ``LIMIT_CHUNK`` pieces taken in file order."""
+    pieces = [(p, off) for p in job.files for off in range(0, os.path.getsize(p), LIMIT_CHUNK)]
+    fds = {p: os.open(p, os.O_RDONLY) for p in job.files}
+    local = threading.local()
+
+    def read(piece: tuple[str, int]) -> int:
+        if not hasattr(local, "view"):
+            local.view = memoryview(bytearray(LIMIT_CHUNK))
+        return os.preadv(fds[piece[0]], [local.view], piece[1])
+
+    try:
+        with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
+            for _ in pool.map(read, pieces):
+                pass
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return Loaded()
+
+
 def _sequential_read_alloc(job: RankJob) -> Loaded:
     """The limit for a loader, whose destination is new memory: the same sequential read,
     but into freshly allocated buffers that together hold the whole checkpoint, so the
@@ -212,6 +237,13 @@ CASES: dict[str, Case] = {
             "limit",
             "the same sequential read into newly allocated memory (page faults paid)",
             _sequential_read_alloc,
+            per_rank=False,
+        ),
+        Case(
+            "limit_parallel",
+            "limit",
+            "the same bytes read by one thread per CPU into reused buffers",
+            _parallel_read,
             per_rank=False,
         ),
         Case("scratch", "rayload", "rayload load_rank(method='scratch')", _rayload("scratch")),

@@ -210,6 +210,7 @@ def chart(summaries: Sequence[CaseSummary], caches: Sequence[str], path: Path) -
         for name, style, label in (
             ("limit", "--", "limit: sequential read, reused buffer"),
             ("limit_alloc", ":", "limit_alloc: sequential read into new memory"),
+            ("limit_parallel", "-.", "limit_parallel: a thread per CPU, reused buffers"),
         ):
             if (limit := by.get((name, 1, cache))) is not None:
                 ax.axhline(limit.wall_s, color="black", linestyle=style, label=label)
