@@ -4,6 +4,7 @@ still written with the failing rank marked ERROR."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,20 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 def _node() -> str:
     return ray.get_runtime_context().get_node_id()
+
+
+def _kill_and_wait(actor: Any, timeout_s: float = 30.0) -> None:
+    """``ray.kill`` the actor and return once it is dead: the kill is asynchronous, and a
+    call sent right after it may still be served by the living actor."""
+    ray.kill(actor)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"actor {actor} still answers {timeout_s:g} s after ray.kill")
 
 
 def _rank_load(spans: list[Any], rank: int) -> Any:
@@ -121,7 +136,7 @@ def test_shard_from_rank_killed_after_load_raises_rank_failed(
     tiny_llama: Path, no_leaks: object
 ) -> None:
     with rayload.load(tiny_llama, 2, method="dummy", device="cpu") as result:
-        ray.kill(result.actors[1])
+        _kill_and_wait(result.actors[1])
         with pytest.raises(RankFailedError, match=r"rank 1 on node .* is gone") as caught:
             result.shard(1, "model.norm.weight")
         assert caught.value.node_id == _node()
