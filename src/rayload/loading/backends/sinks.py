@@ -61,22 +61,30 @@ class HostSink:
 class StagedDeviceSink:
     """Reads a batch into one pinned staging buffer, then copies it to the device
     destinations on a side stream, one copy per run of bytes that is contiguous in both
-    (the rows of a split-1 shard become one copy). ``finish()`` waits for the last copy."""
+    (the rows of a split-1 shard become one copy). ``finish()`` waits for the last copy.
+
+    Staging buffers are allocated when first needed, up to ``settings.window``: the first
+    read starts after one allocation instead of all of them (page-locking new memory is
+    slow), and a load of few batches pins few buffers."""
 
     def __init__(self, targets: Sequence[torch.Tensor], settings: ReadSettings) -> None:
         self.targets = targets
         self.device = targets[0].device if targets else torch.device("cuda", 0)
         self.stream = torch.cuda.Stream(self.device)
-        self._free: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque(
-            (torch.empty(settings.chunk_bytes, dtype=torch.uint8, pin_memory=True), None)
-            for _ in range(settings.window)
-        )
+        self._chunk_bytes = settings.chunk_bytes
+        self._unallocated = settings.window
+        self._free: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()
         self._busy: deque[torch.Tensor] = deque()  # acquired, in batch order
 
     def acquire(self, batch: Batch) -> Views:
-        buffer, copied = self._free.popleft()
-        if copied is not None:
+        if self._free:
+            buffer, copied = self._free.popleft()
             copied.synchronize()
+        elif self._unallocated:
+            self._unallocated -= 1
+            buffer = torch.empty(self._chunk_bytes, dtype=torch.uint8, pin_memory=True)
+        else:
+            raise RuntimeError("more batches in flight than staging buffers (window)")
         self._busy.append(buffer)
         view = host_view(buffer)
         views, pos = [], 0
