@@ -99,6 +99,7 @@ def _cmd_load(args: argparse.Namespace) -> int:
             method=args.method,
             device=args.device,
             strict=args.strict_method,
+            rules=args.rules,
             address=args.address,
             placement_strategy=args.placement_strategy,
             trace_dir=args.trace_dir,
@@ -177,6 +178,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 1 if result["consistency"] else 0
 
 
+def _add_rules(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rules", help="sharding rules file (JSON; default: the preset of config.json)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="rayload", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
@@ -194,14 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("plan", _cmd_plan, "show per-rank bytes, replicated bytes and read amplification")
     p.add_argument("dir")
     p.add_argument("--tp", type=int, required=True)
-    p.add_argument("--rules", help="sharding rules file (JSON)")
+    _add_rules(p)
     p.add_argument("--json", action="store_true")
 
     p = add("convert", _cmd_convert, "write a pre-sharded checkpoint for one tp size")
     p.add_argument("dir")
     p.add_argument("out")
     p.add_argument("--tp", type=int, required=True)
-    p.add_argument("--rules", help="sharding rules file (JSON)")
+    _add_rules(p)
 
     p = add("make-checkpoint", _cmd_make_checkpoint, "write a synthetic Llama-style checkpoint")
     p.add_argument("out")
@@ -214,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("load", _cmd_load, "load a checkpoint onto Ray, one actor per TP rank")
     p.add_argument("dir")
     p.add_argument("--tp", type=int, required=True)
+    _add_rules(p)
     p.add_argument("--method", default="auto")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--strict-method", action="store_true")

@@ -39,6 +39,18 @@ def test_load_bad_input_exits_2_with_one_line_before_ray_starts(
     assert ray.is_initialized() == ray_was_up
 
 
+def test_load_bad_rules_file_exits_2_naming_it_before_ray_starts(
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rules = tmp_path / "rules.json"
+    rules.write_text('{"rules": [{"pattern": "(", "split": 0}]}')
+    ray_was_up = ray.is_initialized()
+    assert main(["load", str(tiny_llama), "--tp", "2", "--rules", str(rules)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(rules) in err and "not a valid regular expression" in err
+    assert ray.is_initialized() == ray_was_up
+
+
 def test_load_tp_not_dividing_checkpoint_exits_2_naming_tensor(
     tiny_llama: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

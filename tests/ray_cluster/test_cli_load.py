@@ -14,6 +14,7 @@ import pytest
 import ray
 
 from rayload.cli import main
+from rayload.loading import plan_shards
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -41,6 +42,21 @@ def test_load_json_prints_one_object_with_contract_fields(
         }
         assert rank["bytes_read"] > 0 and rank["tensors"] > 0
     assert doc["startup_metrics"]["aggregate"]["placement_seconds"]["max"] >= 0
+
+
+def test_load_with_rules_file_shards_by_it(
+    tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], no_leaks: object
+) -> None:
+    rules = tmp_path / "rules.json"
+    rules.write_text('{"rules": [{"pattern": ".*", "split": "replicate"}]}')
+    argv = ["load", str(tiny_llama), "--tp", "2", "--device", "cpu", "--json"]
+    assert main([*argv]) == 0
+    preset = json.loads(capsys.readouterr().out)["ranks"]
+    assert main([*argv, "--rules", str(rules)]) == 0
+    replicated = json.loads(capsys.readouterr().out)["ranks"]
+    whole = plan_shards(tiny_llama, 1).ranks[0].nbytes  # every tensor, unsplit
+    assert [r["bytes_read"] for r in replicated] == [whole, whole]
+    assert all(r["bytes_read"] < whole for r in preset)
 
 
 def test_load_prints_rank_table_metrics_and_progress_lines(
