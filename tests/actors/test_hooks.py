@@ -20,11 +20,23 @@ def test_hooks_from_env_parses_fault_and_skew() -> None:
 
 
 @pytest.mark.parametrize(
-    "raw", ["{not json", '{"fault": {"rank": 1, "action": "melt"}}', '{"x": 1}']
+    "raw",
+    [
+        "{not json",
+        '{"fault": {"rank": 1, "action": "melt"}}',
+        '{"x": 1}',
+        '{"probe_overrides": {"1": {"gds": true}}}',  # EnvProbe has no field "gds"
+    ],
 )
 def test_hooks_from_env_rejects_bad_value_with_config_error(raw: str) -> None:
     with pytest.raises(ConfigError, match="RAYLOAD_TEST_HOOKS"):
         hooks_from_env({"RAYLOAD_TEST_HOOKS": raw})
+
+
+def test_hooks_from_env_parses_probe_overrides_per_rank() -> None:
+    raw = '{"probe_overrides": {"1": {"nvidia_fs_present": true}}}'
+    hooks = hooks_from_env({"RAYLOAD_TEST_HOOKS": raw})
+    assert hooks.probe_overrides == {1: {"nvidia_fs_present": True}}
 
 
 def test_faulty_timer_records_failed_phase_and_raises() -> None:

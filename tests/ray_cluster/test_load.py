@@ -126,6 +126,35 @@ def test_load_reports_metrics_trace_and_node_per_rank(
         assert result.warnings == []
 
 
+def test_ranks_that_resolve_differently_are_each_reported_and_load_right(
+    mixed_dtype_checkpoint: Path,
+    reference_shard: Callable[..., torch.Tensor],
+    set_test_hooks: Callable[..., None],
+    tmp_path: Path,
+    no_leaks: object,
+) -> None:
+    # Rank 1's node "lacks" fastsafetensors (a TEST HOOK on its probe), rank 0's has it.
+    hidden = {"fastsafetensors_version": None, "fastsafetensors_error": "hidden by a hook"}
+    set_test_hooks(probe_overrides={"1": hidden})
+    plan = plan_shards(mixed_dtype_checkpoint, 2)
+    with rayload.load(
+        mixed_dtype_checkpoint, 2, method="fastsafetensors", device="cpu", trace_dir=tmp_path
+    ) as result:
+        ran = [(r.method.selected.value, r.method.effective.value) for r in result.ranks]
+        assert ran == [("fastsafetensors", "fastsafetensors"), ("scratch", "scratch")]
+        assert result.ranks[0].method.fallback_reason is None
+        assert "hidden by a hook" in (result.ranks[1].method.fallback_reason or "")
+        assert any("fastsafetensors" in w and "scratch" in w for w in result.warnings)
+        metrics = result.startup_metrics
+        assert [m["method"] for m in metrics["ranks"]] == ["fastsafetensors", "scratch"]
+        assert metrics["method"] == "fastsafetensors,scratch"  # never one rank's tag for all
+        for rank in (0, 1):
+            for name, split in plan.splits.items():
+                got = result.shard(rank, name)
+                want = reference_shard(mixed_dtype_checkpoint, rank, 2, name, split)
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (rank, name)
+
+
 def test_apply_runs_on_every_rank_with_its_resident_weights(
     tiny_llama: Path, no_leaks: object
 ) -> None:

@@ -109,6 +109,7 @@ class RankActorGroup:
                 rank,
                 clock_skew_ns=self.hooks.clock_skew_ns.get(rank, 0),
                 fault=self.hooks.fault_for(rank),
+                probe_overrides=self.hooks.probe_overrides.get(rank),
             )
             self.actors.append(actor)
             waiting[actor.ready.remote()] = rank

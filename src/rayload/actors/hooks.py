@@ -12,6 +12,11 @@ A fault triggers when the named phase starts:
 * ``ray_kill``: the actor is killed with ``ray.kill`` (as by an operator or a controller)
 * ``hang``: the phase sleeps ``seconds`` (a rank that hangs past the timeout)
 
+``probe_overrides`` replaces fields of a rank's environment probe
+(:class:`~rayload.loading.probe.EnvProbe`), e.g. ``{"1": {"fastsafetensors_version": null}}``
+for a rank whose node lacks fastsafetensors: ranks that resolve differently, as on a
+cluster of unlike nodes.
+
 Besides the load phases (``rank.resolve`` ... ``rank.post_load``), ``phase`` may be
 ``actor.init``: the fault then fires in the actor's ``__init__`` (a rank that never starts).
 
@@ -28,7 +33,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from rayload.errors import ConfigError
 from rayload.loading.report import PhaseTimer
@@ -69,6 +74,19 @@ class TestHooks(BaseModel):
 
     fault: FaultInjection | None = None
     clock_skew_ns: dict[int, int] = {}
+    probe_overrides: dict[int, dict[str, Any]] = {}
+
+    @field_validator("probe_overrides")
+    @classmethod
+    def _known_probe_fields(cls, value: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        from dataclasses import fields
+
+        from rayload.loading.probe import EnvProbe
+
+        known = {f.name for f in fields(EnvProbe)}
+        if unknown := sorted({k for fields_ in value.values() for k in fields_} - known):
+            raise ValueError(f"EnvProbe has no field(s) {unknown}")
+        return value
 
     def fault_for(self, rank: int) -> FaultInjection | None:
         return self.fault if self.fault is not None and self.fault.rank == rank else None

@@ -25,6 +25,7 @@ from rayload.actors.device import resolve_device
 from rayload.actors.hooks import INIT_PHASE, FaultInjection, FaultyTimer
 from rayload.actors.records import ActorInfo, LoadRequest, RankError, RankOutcome, RankState
 from rayload.loading import load_rank
+from rayload.loading.probe import EnvProbe, probe_environment
 from rayload.loading.report import PhaseTimer, RankReport
 from rayload.tracing.record import rank_spans_payload, report_attributes
 
@@ -34,15 +35,22 @@ log = logging.getLogger(__name__)
 class RankActor:
     """Rank ``rank``'s actor.
 
-    ``clock_skew_ns`` and ``fault`` are TEST HOOKS: the first shifts every time the actor
-    reports (phases, spans, :meth:`clock`) to model another node's clock; the second makes
-    this rank fail on purpose (see :mod:`rayload.actors.hooks`).
+    ``clock_skew_ns``, ``fault`` and ``probe_overrides`` are TEST HOOKS: the first shifts
+    every time the actor reports (phases, spans, :meth:`clock`) to model another node's
+    clock; the second makes this rank fail on purpose; the third changes what this rank's
+    environment probe reports (see :mod:`rayload.actors.hooks`).
     """
 
     def __init__(
-        self, rank: int, *, clock_skew_ns: int = 0, fault: FaultInjection | None = None
+        self,
+        rank: int,
+        *,
+        clock_skew_ns: int = 0,
+        fault: FaultInjection | None = None,
+        probe_overrides: dict[str, Any] | None = None,
     ) -> None:
         self._skew_ns = clock_skew_ns
+        self._probe_overrides = probe_overrides
         init_start_ns = self.clock()
         if fault is not None and fault.phase == INIT_PHASE:
             fault.trigger()
@@ -64,6 +72,12 @@ class RankActor:
             init_end_ns=self.clock(),
             process_start_ns=self._process_start_ns(),
         )
+
+    def _probe(self) -> EnvProbe | None:
+        """The environment probe with the TEST HOOK's overrides; None: probe as usual."""
+        if not self._probe_overrides:
+            return None
+        return replace(probe_environment(), **self._probe_overrides)
 
     def clock(self) -> int:
         """This actor's wall clock in ns: the remote half of a clock-offset round trip."""
@@ -95,6 +109,7 @@ class RankActor:
                 strict=request.strict,
                 rules=request.rules,
                 model_role=request.model_role,
+                probe=self._probe(),
                 timer=timer,
             )
             report = _with_node(report, self._node_id)
