@@ -139,7 +139,7 @@ stage cold 240 bench cold "$DEVICE" --size-gb "$COLD_SIZE_GB" --tp 1 --cache col
   --no-verify --no-split-probe \
   --methods scratch fastsafetensors fastsafetensors_gdr fastsafetensors_whole safe_open_slice
 stage cpu 300 bench cpu cpu --size-gb "$CPU_SIZE_GB" --tp 4 --cache warm cold --repeat 3 --no-split-probe \
-  --methods scratch converted safe_open_slice fastsafetensors_whole limit_alloc
+  --methods scratch converted safe_open_slice fastsafetensors_whole limit_alloc limit_parallel
 
 echo
 echo "== done in ${SECONDS} s; failed stages: ${FAILED[*]:-none}; results in $RESULTS"
