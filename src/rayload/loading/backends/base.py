@@ -49,9 +49,9 @@ class ReaderOptions:
     """The most bytes one read request covers; large tensors are split into chunks so
     they are read in parallel, and small file-contiguous tensors are merged up to it.
     None: 32 MiB for host destinations, 8 MiB for CUDA ones, where each read in flight
-    holds a pinned staging buffer of this size: page-locking fresh memory is slow
-    (576 MiB of 32 MiB buffers cost a fresh process about 0.4 s on the H200 host), and
-    8 MiB reads were as fast as 32 MiB ones there with 12 or 16 threads."""
+    holds a pinned staging buffer of this size: page-locking new memory is slow (with
+    576 MiB of 32 MiB buffers a fresh process took 0.44 s longer than a warmed one on the
+    H200 host), and 8 MiB reads were as fast as 32 MiB ones there with 12 or 16 threads."""
     staging_buffers: int = 0
     """Pinned host buffers of ``chunk_bytes`` for host-to-device copies; 0 means
     ``threads + 2`` (every thread busy while the oldest two chunks are being copied)."""
