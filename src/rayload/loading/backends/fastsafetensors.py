@@ -23,8 +23,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from rayload.errors import CheckpointError
+from rayload.errors import CheckpointError, RayloadError
 from rayload.loading.backends.base import Backend, BackendResult, register, synchronize
+from rayload.loading.backends.reader import truncated_error, unreadable_error
 from rayload.loading.methods import LoadMethod
 from rayload.loading.plan import RankPlan, TensorShard
 from rayload.loading.report import PhaseTimer
@@ -49,6 +50,19 @@ class _FastsafetensorsBase(Backend):
         return self.method, None
 
     def _load(self, plan: RankPlan, device: torch.device, timer: PhaseTimer) -> BackendResult:
+        try:
+            return self._run_loader(plan, device, timer)
+        except RayloadError:
+            raise
+        except Exception as exc:
+            # fastsafetensors says "Exception: MetadataIncompleteBuffer, src=..." or a bare
+            # FileNotFoundError: if a file is at fault, say which, and which tensor, as
+            # rayload's own reader does; anything else (device memory, ...) stays as it is.
+            if (problem := _file_problem(plan)) is None:
+                raise
+            raise problem from exc
+
+    def _run_loader(self, plan: RankPlan, device: torch.device, timer: PhaseTimer) -> BackendResult:
         from fastsafetensors import SafeTensorsFileLoader, SingleGroup
 
         wanted = {s.name for s in plan.shards}
@@ -142,6 +156,22 @@ def _fastsafetensors_notes() -> Iterator[list[str]]:
     for warning in caught:
         notes.append(str(warning.message))
         log.debug("fastsafetensors: %s", warning.message)
+
+
+def _file_problem(plan: RankPlan) -> CheckpointError | None:
+    """What is wrong with ``plan``'s files now, if anything: one missing or unreadable,
+    or shorter than a planned tensor's bytes (it changed since it was planned)."""
+    for path in plan.files:
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+        except OSError as exc:
+            return unreadable_error(path, exc)
+        for shard in plan.shards:
+            last = shard.ranges[-1] if shard.ranges else None  # ranges run in file order
+            if last is not None and last.file == path and last.offset + last.length > size:
+                return truncated_error(path, size, shard.name)
+    return None
 
 
 def _frame_bytes(loader: Any, name: str) -> int:

@@ -125,11 +125,25 @@ def _raise_truncated(read: Read, at: int) -> None:
         (s.tensor for s in read.segments if s.offset <= at < s.offset + s.length),
         read.segments[-1].tensor,
     )
-    raise CheckpointError(
-        f"{read.file}: the file ends at byte {at}, inside tensor {tensor!r}; the file is "
+    raise truncated_error(read.file, at, tensor)
+
+
+def truncated_error(path: str, at: int, tensor: str) -> CheckpointError:
+    """The file at ``path`` ends at byte ``at``, inside ``tensor``."""
+    return CheckpointError(
+        f"{path}: the file ends at byte {at}, inside tensor {tensor!r}; the file is "
         "truncated: download or convert it again",
-        file=read.file,
+        file=path,
         tensor=tensor,
+    )
+
+
+def unreadable_error(path: str, exc: OSError) -> CheckpointError:
+    """The file at ``path`` cannot be opened for reading (``exc`` says why)."""
+    return CheckpointError(
+        f"{path}: cannot open for reading ({exc.strerror or exc}); check that the "
+        "checkpoint is complete and readable",
+        file=path,
     )
 
 
@@ -141,11 +155,7 @@ def _open_files(paths: Iterable[str]) -> Iterator[dict[str, int]]:
             try:
                 fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except OSError as exc:
-                raise CheckpointError(
-                    f"{path}: cannot open for reading ({exc.strerror}); check that the "
-                    "checkpoint is complete and readable",
-                    file=path,
-                ) from exc
+                raise unreadable_error(path, exc) from exc
         yield fds
     finally:
         for fd in fds.values():
