@@ -123,6 +123,20 @@ def test_targets_are_evaluated_for_the_largest_tp(bench_result: dict[str, Any]) 
     assert names[TRACING]["met"] is None  # startup=False here
 
 
+def test_peer_targets_say_how_much_faster_the_fastest_limit_ran(
+    bench_result: dict[str, Any],
+) -> None:
+    """A missed speedup target comes with the speedup the disk itself allowed that run."""
+    cold = [s for s in bench_result["summary"] if s["cache"] == "cold"]
+    fastest = min((s for s in cold if CASES[s["case"]].kind == "limit"), key=lambda s: s["wall_s"])
+    tp = max(s["tp_size"] for s in cold)
+    names = {t["name"]: t for t in bench_result["targets"]}
+    for peer in ("safe_open_slice", "fastsafetensors_whole"):
+        [p] = [s for s in cold if (s["case"], s["tp_size"]) == (peer, tp)]
+        said = f"{fastest['case']} ran {p['wall_s'] / fastest['wall_s']:.2f}x faster than {peer}"
+        assert names[f"scratch cold vs {peer}"]["note"] == said
+
+
 def test_amplification_by_kind_covers_both_kinds_and_rayload_cases(
     bench_result: dict[str, Any],
 ) -> None:
