@@ -35,6 +35,23 @@ def test_cases_are_interleaved_by_repetition(bench_result: dict[str, Any]) -> No
     assert reps[0] == 0 and reps[-1] == 1
 
 
+def test_each_repetition_starts_one_case_further(bench_result: dict[str, Any]) -> None:
+    """No case always runs right after the same neighbour (A B C, then B C A)."""
+
+    def order(rep: int, cache: str, per_rank: bool) -> list[str]:
+        return [
+            s["case"]
+            for s in bench_result["samples"]
+            if (s["repetition"], s["cache"], CASES[s["case"]].per_rank) == (rep, cache, per_rank)
+        ]
+
+    for cache in ("cold", "warm"):
+        for per_rank in (False, True):
+            first, second = order(0, cache, per_rank), order(1, cache, per_rank)
+            assert len(first) > 1
+            assert second == first[1:] + first[:1]
+
+
 def test_all_cases_hand_each_rank_identical_tensors(bench_result: dict[str, Any]) -> None:
     assert bench_result["consistency"] == []
     digests = {
