@@ -21,7 +21,10 @@
 #   register  experiment: DMA straight out of the page cache (cudaHostRegister on mmap)
 #   warm      rayload bench, TP=1, SIZE_GB from the page cache: scratch, fastsafetensors,
 #             fastsafetensors_gdr (what ran, and why), and the peers; GB/s per GPU
-#   cold      the same from the disk (evicted per file), COLD_SIZE_GB
+#   summary   GB/s per GPU of the warm run against the 35 GB/s target
+#   hybrid    experiment: that DMA and scratch's staged reader at once, on parts of the
+#             files (is the page-cache copy or memory bandwidth the bound?)
+#   cold      the warm bench from the disk (evicted per file), COLD_SIZE_GB
 #   cpu       the CPU benchmark (TP=4, 1 GB, warm and cold) on this machine's cores
 # Results (every bench's .json/.md/.png) go to $RESULTS ($OUT or benchmarks/results/gpu).
 set -uo pipefail
@@ -135,6 +138,7 @@ stage warm 240 bench warm "$DEVICE" --checkpoint "$CKPT" --tp 1 --cache warm --r
   scratch fastsafetensors fastsafetensors_gdr fastsafetensors_whole safe_open_slice
 latest=$(ls -t "$RESULTS"/warm/bench-*.json 2>/dev/null | head -1)
 [ -n "$latest" ] && stage summary 30 "$PY" benchmarks/gpu_figures.py summary "$latest"
+[ "$DEVICE" = cuda ] && stage hybrid 90 "$PY" benchmarks/gpu_figures.py hybrid "$CKPT"
 stage cold 240 bench cold "$DEVICE" --size-gb "$COLD_SIZE_GB" --tp 1 --cache cold --repeat 1 \
   --no-verify --no-split-probe \
   --methods scratch fastsafetensors fastsafetensors_gdr fastsafetensors_whole safe_open_slice

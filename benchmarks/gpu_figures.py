@@ -4,6 +4,7 @@
     python benchmarks/gpu_figures.py h2d [GiB]      # host-to-device bandwidth, pinned/pageable
     python benchmarks/gpu_figures.py sweep CKPT     # scratch onto cuda:0, reader settings
     python benchmarks/gpu_figures.py register CKPT  # experiment: DMA out of the page cache
+    python benchmarks/gpu_figures.py hybrid CKPT    # experiment: that DMA and scratch at once
     python benchmarks/gpu_figures.py summary JSON   # GB/s per GPU and effective methods
 
 Every sub-command prints lines of ``key: value`` and exits non-zero on a failed check.
@@ -115,6 +116,84 @@ def _warm_files(checkpoint: str) -> list[str]:
     return files
 
 
+class _Mapped:
+    """The files mapped read-only (MAP_SHARED) and seen as uint8 CPU tensors, with
+    ``cudaHostRegister`` / ``cudaHostUnregister`` on any piece of them."""
+
+    READONLY = 8  # cudaHostRegisterReadOnly
+
+    def __init__(self, files: list[str]) -> None:
+        import ctypes
+
+        import numpy as np
+        import torch
+
+        self._cudart = torch.cuda.cudart()
+        self._libc = libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = (
+            (ctypes.c_void_p, ctypes.c_size_t) + (ctypes.c_int,) * 3 + (ctypes.c_long,)
+        )
+        libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+        self.maps: list[tuple[int, int]] = []
+        for path in files:
+            size = os.path.getsize(path)
+            fd = os.open(path, os.O_RDONLY)
+            addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+            os.close(fd)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                self.close()
+                raise OSError(ctypes.get_errno(), f"mmap {path}")
+            self.maps.append((addr, size))
+        self.host = [
+            torch.from_numpy(np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(addr)))
+            for addr, size in self.maps
+        ]
+
+    def register(self, addr: int, size: int, flags: int = READONLY) -> int:
+        return int(self._cudart.cudaHostRegister(addr, size, flags))
+
+    def unregister(self, addr: int) -> int:
+        return int(self._cudart.cudaHostUnregister(addr))
+
+    def pieces(self, step: int) -> list[tuple[int, int, int]]:
+        """``(file index, offset, length)`` of every ``step``-byte piece of every file."""
+        return [
+            (i, off, min(step, size - off))
+            for i, (_, size) in enumerate(self.maps)
+            for off in range(0, size, step)
+        ]
+
+    def pipeline(self, dst: list[Any], threads: int, step: int, flags: int = READONLY) -> list[int]:
+        """Each of ``threads`` threads registers a piece, copies it into ``dst`` on its
+        own stream, waits, unregisters; returns the CUDA error codes seen (0: none)."""
+        import threading
+        from concurrent.futures import ThreadPoolExecutor
+
+        import torch
+
+        local = threading.local()
+
+        def piece(i: int, off: int, n: int) -> int:
+            stream = getattr(local, "stream", None) or torch.cuda.Stream()
+            local.stream = stream
+            addr = self.maps[i][0] + off
+            if err := self.register(addr, n, flags):
+                return err
+            with torch.cuda.stream(stream):
+                dst[i][off : off + n].copy_(self.host[i][off : off + n], non_blocking=True)
+            stream.synchronize()
+            return self.unregister(addr)
+
+        with ThreadPoolExecutor(threads) as pool:
+            return sorted(set(pool.map(lambda job: piece(*job), self.pieces(step))))
+
+    def close(self) -> None:
+        for addr, size in self.maps:
+            self._libc.munmap(addr, size)
+        self.maps = []
+
+
 def register(checkpoint: str) -> int:
     """Experiment, not a rayload method: copy the page cache to the GPU with no pinned
     bounce buffer. Each file is mapped read-only (MAP_SHARED); pieces of the mapping are
@@ -122,63 +201,36 @@ def register(checkpoint: str) -> int:
     one DMA each. Prints registration and copy rates separately (whole files, one
     thread), then a pipeline where each of N threads registers a piece, copies it on its
     own stream, waits, unregisters."""
-    import ctypes
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
-    import numpy as np
     import torch
 
-    cudart = torch.cuda.cudart()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     files = _warm_files(checkpoint)
-    sizes = [os.path.getsize(f) for f in files]
-    total = sum(sizes)
-    maps = []
-    for path, size in zip(files, sizes, strict=True):
-        fd = os.open(path, os.O_RDONLY)
-        addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
-        os.close(fd)
-        if addr in (None, ctypes.c_void_p(-1).value):
-            print(f"register: mmap failed: {os.strerror(ctypes.get_errno())}")
-            return 1
-        maps.append((addr, size))
-    host = [
-        torch.from_numpy(np.ctypeslib.as_array((ctypes.c_ubyte * size).from_address(addr)))
-        for addr, size in maps
-    ]
-    dst = [torch.empty(size, dtype=torch.uint8, device="cuda") for size in sizes]
+    mapped = _Mapped(files)
+    total = sum(size for _, size in mapped.maps)
+    dst = [torch.empty(size, dtype=torch.uint8, device="cuda") for _, size in mapped.maps]
     torch.cuda.synchronize()
 
-    def reg(addr: int, size: int, flags: int) -> int:
-        return int(cudart.cudaHostRegister(addr, size, flags))
-
-    def unreg(addr: int) -> int:
-        return int(cudart.cudaHostUnregister(addr))
-
     # 1. Whole files, one thread: what registration and the copy each cost.
-    for flags, label in ((8, "readonly"), (0, "default")):
+    for flags, label in ((_Mapped.READONLY, "readonly"), (0, "default")):
         t0 = time.perf_counter()
-        errors = [reg(addr, size, flags) for addr, size in maps]
+        errors = [mapped.register(addr, size, flags) for addr, size in mapped.maps]
         t_reg = time.perf_counter() - t0
         if any(errors):
             print(f"register.{label}: cudaHostRegister failed, errors {sorted(set(errors))}")
-            for (addr, _), err in zip(maps, errors, strict=True):
+            for (addr, _), err in zip(mapped.maps, errors, strict=True):
                 if not err:
-                    unreg(addr)
+                    mapped.unregister(addr)
             continue
-        print(f"register.{label}.pinned_memory: {host[0].is_pinned()}")
+        print(f"register.{label}.pinned_memory: {mapped.host[0].is_pinned()}")
         t0 = time.perf_counter()
-        for d, h in zip(dst, host, strict=True):
+        for d, h in zip(dst, mapped.host, strict=True):
             d.copy_(h, non_blocking=True)
         torch.cuda.synchronize()
         t_copy = time.perf_counter() - t0
-        ok = all(torch.equal(d[:4096].cpu(), h[:4096]) for d, h in zip(dst, host, strict=True))
+        ok = all(
+            torch.equal(d[:4096].cpu(), h[:4096]) for d, h in zip(dst, mapped.host, strict=True)
+        )
         t0 = time.perf_counter()
-        errors = [unreg(addr) for addr, _ in maps]
+        errors = [mapped.unregister(addr) for addr, _ in mapped.maps]
         t_unreg = time.perf_counter() - t0
         print(
             f"register.{label}.whole_files: register {total / t_reg / 1e9:.1f} GB/s "
@@ -188,43 +240,87 @@ def register(checkpoint: str) -> int:
         )
         break
     else:
+        mapped.close()
         return 0
 
     # 2. The pipeline: pieces registered, copied and released by N threads at once.
-    local = threading.local()
-
-    def piece(i: int, off: int, n: int) -> int:
-        stream = getattr(local, "stream", None) or torch.cuda.Stream()
-        local.stream = stream
-        addr = maps[i][0] + off
-        err = reg(addr, n, flags)
-        if err:
-            return err
-        with torch.cuda.stream(stream):
-            dst[i][off : off + n].copy_(host[i][off : off + n], non_blocking=True)
-        stream.synchronize()
-        return unreg(addr)
-
     for threads in (4, 8, 16):
         for piece_mib in (16, 64):
-            step = piece_mib << 20
-            jobs = [
-                (i, off, min(step, size - off))
-                for i, size in enumerate(sizes)
-                for off in range(0, size, step)
-            ]
             t0 = time.perf_counter()
-            with ThreadPoolExecutor(threads) as pool:
-                errors = list(pool.map(lambda j: piece(*j), jobs))
+            errors = mapped.pipeline(dst, threads, piece_mib << 20, flags)
             torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
             print(
                 f"register.pipeline.threads{threads}.piece{piece_mib}MiB: "
-                f"{total / seconds / 1e9:.1f} GB/s ({seconds:.3f} s), "
-                f"errors {sorted(set(errors))}"
+                f"{total / seconds / 1e9:.1f} GB/s ({seconds:.3f} s), errors {errors}"
             )
-    for addr, size in maps:
-        libc.munmap(addr, size)
+    mapped.close()
+    return 0
+
+
+def hybrid(checkpoint: str, repeat: int = 2) -> int:
+    """Experiment: both ways at once. The files are split by bytes between registered
+    page-cache DMA (``_Mapped.pipeline``, 4 threads, 64 MiB pieces: its best setting on
+    the H200 VM) and rayload's staged reader
+    (``read_segments`` onto cuda:0, 8 MiB chunks, pinned staging already allocated by a
+    warm-up), which run concurrently. On the H200 VM each alone topped out at about 20
+    and 28 GB/s; if together they pass 35 GB/s, the copy out of the page cache (CPU) was
+    the bound and a loader using both is worth building; if not, memory bandwidth is.
+    Prints the best of ``repeat`` per setting and whether every byte arrived intact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from rayload.loading.backends import ReaderOptions
+    from rayload.loading.backends.reader import read_segments
+    from rayload.loading.backends.readplan import Segment
+
+    files = _warm_files(checkpoint)
+    total = sum(os.path.getsize(f) for f in files)
+    device = torch.device("cuda", 0)
+    torch.zeros(1, device=device)
+    for share in (0.3, 0.45):
+        dma: list[str] = []
+        staged: list[str] = []
+        for path in sorted(files, key=os.path.getsize, reverse=True):
+            dma_bytes = sum(os.path.getsize(f) for f in dma)
+            (dma if dma_bytes < share * total else staged).append(path)
+        mapped = _Mapped(dma)
+        dma_dst = [torch.empty(size, dtype=torch.uint8, device=device) for _, size in mapped.maps]
+        sizes = [os.path.getsize(f) for f in staged]
+        segments = [
+            Segment(path, 0, size, i, 0, os.path.basename(path))
+            for i, (path, size) in enumerate(zip(staged, sizes, strict=True))
+        ]
+        for read_threads in (8, 12):
+            options = ReaderOptions(threads=read_threads, chunk_bytes=8 << 20)
+            best = float("inf")
+            for _ in range(repeat + 1):  # the first run allocates the pinned staging
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(1) as pool:
+                    dma_errors = pool.submit(mapped.pipeline, dma_dst, 4, 64 << 20)
+                    buffers, sink, _ = read_segments(segments, sizes, device, options)
+                    sink.finish()
+                    errors = dma_errors.result()
+                torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            print(
+                f"hybrid.dma{share:.0%}.dma_threads4.read_threads{read_threads}: "
+                f"{total / best / 1e9:.1f} GB/s ({total / 1e9:.2f} GB in {best:.3f} s), "
+                f"CUDA errors {errors}"
+            )
+        intact = all(
+            torch.equal(d.cpu(), h) for d, h in zip(dma_dst, mapped.host, strict=True)
+        ) and all(
+            torch.equal(b.cpu(), torch.from_file(f, size=n, dtype=torch.uint8))
+            for b, f, n in zip(buffers, staged, sizes, strict=True)
+        )
+        print(f"hybrid.dma{share:.0%}.bytes_intact: {intact}")
+        del buffers
+        mapped.close()
+        del dma_dst
+        torch.cuda.empty_cache()
     return 0
 
 
@@ -268,6 +364,8 @@ if __name__ == "__main__":
         sys.exit(sweep(rest[0]))
     if command == "register":
         sys.exit(register(rest[0]))
+    if command == "hybrid":
+        sys.exit(hybrid(rest[0]))
     if command == "summary":
         sys.exit(summary(rest[0]))
-    sys.exit(f"unknown command {command!r}; use probe, h2d, sweep or summary")
+    sys.exit(f"unknown command {command!r}; use probe, h2d, sweep, register, hybrid or summary")
