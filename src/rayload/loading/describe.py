@@ -9,6 +9,7 @@ from typing import Any
 
 from rayload.loading.checkpoint import Checkpoint, TensorInfo
 from rayload.loading.plan import ShardPlan
+from rayload.loading.rules import unused_rule_message
 
 _UNMATCHED_SHOWN = 10
 
@@ -137,11 +138,7 @@ def render_plan(summary: dict[str, Any]) -> str:
     lines += [f"  unmatched: {name}" for name in shown]
     if unmatched["count"] > len(shown):
         lines.append(f"  ... and {unmatched['count'] - len(shown)} more (see --json)")
-    lines += [
-        f"warning: rule {pattern!r} matches no tensor; a pattern must match the whole "
-        "tensor name (e.g. '.*q_proj.*', not 'q_proj')"
-        for pattern in summary["unused_rules"]
-    ]
+    lines += [f"warning: {unused_rule_message(p)}" for p in summary["unused_rules"]]
     return "\n".join(lines)
 
 

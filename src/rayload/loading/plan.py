@@ -29,7 +29,7 @@ from rayload.loading.checkpoint import (
     shard_shape,
 )
 from rayload.loading.dtypes import ITEMSIZE
-from rayload.loading.rules import RulesArg, RuleSet, resolve_rules
+from rayload.loading.rules import RulesArg, RuleSet, resolve_rules, unused_rule_message
 
 log = logging.getLogger(__name__)
 
@@ -233,11 +233,7 @@ def _plan_hf(checkpoint: Checkpoint, tp_size: int, ruleset: RuleSet) -> ShardPla
     unused = ruleset.unused_user_rules(splits)
     for rule in unused:
         log.warning(
-            "%s: rule %r matches no tensor of %s; a pattern must match the whole tensor "
-            "name (e.g. '.*q_proj.*', not 'q_proj')",
-            ruleset.source,
-            rule.pattern,
-            checkpoint.root,
+            "%s (%s): %s", checkpoint.root, ruleset.source, unused_rule_message(rule.pattern)
         )
     return ShardPlan(
         tp_size=tp_size,

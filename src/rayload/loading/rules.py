@@ -154,6 +154,14 @@ def resolve_rules(rules: RulesArg, architecture: str | None) -> RuleSet:
     return RuleSet(checked, "rules", len(checked))
 
 
+def unused_rule_message(pattern: str) -> str:
+    """What to tell the user about a rule of theirs that matched no tensor."""
+    return (
+        f"rule {pattern!r} matches no tensor; a pattern must match the whole tensor name "
+        "(e.g. '.*q_proj.*', not 'q_proj')"
+    )
+
+
 def preset_for(architecture: str | None) -> RuleSet | None:
     """The preset for an ``architectures`` entry, or None when rayload has none."""
     if architecture is None or architecture not in PRESETS:
