@@ -14,7 +14,7 @@ hand-off costs one per ``chunk_bytes``, not one per row.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rayload.loading.plan import ByteRange, RowRanges, TensorShard
 
@@ -120,14 +120,11 @@ def _split(segments: Iterable[Segment], chunk_bytes: int) -> Iterator[Segment]:
             yield from _split_rows(seg, chunk_bytes)
             continue
         for start in range(0, seg.length, chunk_bytes):
-            length = min(chunk_bytes, seg.length - start)
-            yield Segment(
-                seg.file,
-                seg.offset + start,
-                length,
-                seg.target,
-                seg.target_offset + start,
-                seg.tensor,
+            yield replace(
+                seg,
+                offset=seg.offset + start,
+                length=min(chunk_bytes, seg.length - start),
+                target_offset=seg.target_offset + start,
             )
 
 
@@ -135,32 +132,26 @@ def _split_rows(seg: Segment, chunk_bytes: int) -> Iterator[Segment]:
     rows = seg.length // seg.row
     if seg.row > chunk_bytes:  # a row alone is over a chunk: each row in contiguous pieces
         for i in range(rows):
-            yield from _split(
-                [
-                    Segment(
-                        seg.file,
-                        seg.offset + i * seg.stride,
-                        seg.row,
-                        seg.target,
-                        seg.target_offset + i * seg.row,
-                        seg.tensor,
-                    )
-                ],
-                chunk_bytes,
+            row = replace(
+                seg,
+                offset=seg.offset + i * seg.stride,
+                length=seg.row,
+                target_offset=seg.target_offset + i * seg.row,
+                row=0,
+                stride=0,
             )
+            yield from _split([row], chunk_bytes)
         return
     per_piece = max(1, chunk_bytes // seg.row)
     for first in range(0, rows, per_piece):
         count = min(per_piece, rows - first)
-        yield Segment(
-            seg.file,
-            seg.offset + first * seg.stride,
-            count * seg.row,
-            seg.target,
-            seg.target_offset + first * seg.row,
-            seg.tensor,
-            seg.row if count > 1 else 0,
-            seg.stride if count > 1 else 0,
+        yield replace(
+            seg,
+            offset=seg.offset + first * seg.stride,
+            length=count * seg.row,
+            target_offset=seg.target_offset + first * seg.row,
+            row=seg.row if count > 1 else 0,
+            stride=seg.stride if count > 1 else 0,
         )
 
 
