@@ -9,6 +9,7 @@
 #                                     # PYTHONPATH=src, or installed)
 #   DEADLINE=420 benchmarks/gpu.sh    # end by 420 s: later stages are cut short or skipped
 #   STAGES="verify warm" benchmarks/gpu.sh   # only these stages
+#   WARM_METHODS="limit_parallel scratch" benchmarks/gpu.sh  # the warm bench's cases
 #
 # Stages, in order of importance (each under its own time limit; a failed stage is
 # reported and the next one runs; the exit code is the number of failed stages):
@@ -18,6 +19,7 @@
 #   verify    every method and peer onto cuda:0 at TP 1 and 2 on a small checkpoint, with
 #             the tensors of all cases hashed and compared
 #   sweep     scratch onto cuda:0 from the page cache, reader threads x chunk size
+#   first     scratch's first and later loads in fresh processes (8, 12, 16 threads)
 #   register  experiment: DMA straight out of the page cache (cudaHostRegister on mmap)
 #   warm      rayload bench, TP=1, SIZE_GB from the page cache: scratch, fastsafetensors,
 #             fastsafetensors_gdr (what ran, and why), and the peers; GB/s per GPU
@@ -132,10 +134,13 @@ CKPT=$WORKDIR/llama-1b-${SIZE_GB}gb
 [ -d "$CKPT" ] || stage checkpoint 120 "$PY" -m rayload.cli make-checkpoint --preset llama-1b \
   --size-gb "$SIZE_GB" "$CKPT"
 [ "$DEVICE" = cuda ] && stage sweep 120 "$PY" benchmarks/gpu_figures.py sweep "$CKPT"
+[ "$DEVICE" = cuda ] && stage first 90 "$PY" benchmarks/gpu_figures.py first "$CKPT"
 [ "$DEVICE" = cuda ] && stage register 90 "$PY" benchmarks/gpu_figures.py register "$CKPT"
+WARM_METHODS=${WARM_METHODS:-limit_parallel scratch fastsafetensors fastsafetensors_gdr \
+fastsafetensors_whole safe_open_slice}
+# shellcheck disable=SC2086  # one case per word
 stage warm 240 bench warm "$DEVICE" --checkpoint "$CKPT" --tp 1 --cache warm --repeat "$REPEAT" \
-  --no-verify --no-split-probe --methods limit_parallel \
-  scratch fastsafetensors fastsafetensors_gdr fastsafetensors_whole safe_open_slice
+  --no-verify --no-split-probe --methods $WARM_METHODS
 latest=$(ls -t "$RESULTS"/warm/bench-*.json 2>/dev/null | head -1)
 [ -n "$latest" ] && stage summary 30 "$PY" benchmarks/gpu_figures.py summary "$latest"
 [ "$DEVICE" = cuda ] && stage hybrid 90 "$PY" benchmarks/gpu_figures.py hybrid "$CKPT"

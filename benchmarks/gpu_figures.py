@@ -3,6 +3,7 @@
     python benchmarks/gpu_figures.py probe          # what rayload's probe sees (GDS, cuFile)
     python benchmarks/gpu_figures.py h2d [GiB]      # host-to-device bandwidth, pinned/pageable
     python benchmarks/gpu_figures.py sweep CKPT     # scratch onto cuda:0, reader settings
+    python benchmarks/gpu_figures.py first CKPT [THREADS...]  # a fresh process's loads
     python benchmarks/gpu_figures.py register CKPT  # experiment: DMA out of the page cache
     python benchmarks/gpu_figures.py hybrid CKPT    # experiment: that DMA and scratch at once
     python benchmarks/gpu_figures.py summary JSON   # GB/s per GPU and effective methods
@@ -25,8 +26,16 @@ TARGET_GBPS = 35.0
 def probe() -> int:
     import torch
 
+    from rayload.loading import probe as probe_module
     from rayload.loading.probe import probe_environment
 
+    torch.zeros(1, device="cuda" if torch.cuda.is_available() else "cpu")
+    # What each part of the probe costs the first time in a process (CUDA already up):
+    # every rank's first load pays them in rank.resolve.
+    for part in ("_probe_fastsafetensors", "_cufile_loadable", "_pinned_memory_usable"):
+        t0 = time.perf_counter()
+        getattr(probe_module, part)()
+        print(f"probe.first_call_ms.{part}: {(time.perf_counter() - t0) * 1e3:.1f}")
     env = probe_environment()
     print(f"torch: {torch.__version__} (CUDA {torch.version.cuda})")
     for key, value in sorted(vars(env).items()):
@@ -102,6 +111,37 @@ def sweep(checkpoint: str, repeat: int = 2) -> int:
             )
             torch.cuda.empty_cache()
     return 0
+
+
+def first(checkpoint: str, threads: list[int]) -> int:
+    """What a fresh process pays: for each reader thread count, a new Python process
+    initializes CUDA, then loads the checkpoint with scratch onto cuda:0 three times in a
+    row (8 MiB chunks), printing each load's GB/s and phases. The first load is the one a
+    serving engine's start-up sees; the later ones show what the first paid for once
+    (probe, device memory, pinned staging)."""
+    import subprocess
+
+    _warm_files(checkpoint)
+    script = """
+import sys, time, torch
+from rayload.loading import load_rank
+from rayload.loading.backends import ReaderOptions
+t0 = time.perf_counter(); torch.zeros(1, device="cuda")
+print(f"first.threads{sys.argv[2]}.cuda_init: {time.perf_counter() - t0:.3f} s")
+options = ReaderOptions(threads=int(sys.argv[2]), chunk_bytes=8 << 20)
+for i in range(3):
+    t0 = time.perf_counter()
+    tensors, report = load_rank(sys.argv[1], 0, 1, "scratch", "cuda", reader_options=options)
+    seconds = time.perf_counter() - t0
+    phases = ", ".join(f"{p.name} {p.seconds * 1e3:.0f} ms" for p in report.phases)
+    print(f"first.threads{sys.argv[2]}.load{i}: {report.bytes_read / seconds / 1e9:.1f} GB/s "
+          f"({seconds:.3f} s; {phases})", flush=True)
+    del tensors
+"""
+    failed = 0
+    for n in threads:
+        failed |= subprocess.run([sys.executable, "-c", script, checkpoint, str(n)]).returncode
+    return failed
 
 
 def _warm_files(checkpoint: str) -> list[str]:
@@ -362,10 +402,14 @@ if __name__ == "__main__":
         sys.exit(h2d(float(rest[0]) if rest else 4.0))
     if command == "sweep":
         sys.exit(sweep(rest[0]))
+    if command == "first":
+        sys.exit(first(rest[0], [int(n) for n in rest[1:]] or [8, 12, 16]))
     if command == "register":
         sys.exit(register(rest[0]))
     if command == "hybrid":
         sys.exit(hybrid(rest[0]))
     if command == "summary":
         sys.exit(summary(rest[0]))
-    sys.exit(f"unknown command {command!r}; use probe, h2d, sweep, register, hybrid or summary")
+    sys.exit(
+        f"unknown command {command!r}; use probe, h2d, sweep, first, register, hybrid or summary"
+    )

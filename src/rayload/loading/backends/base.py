@@ -35,16 +35,18 @@ log = logging.getLogger(__name__)
 class ReaderOptions:
     """How rayload's own reader (scratch, converted, convert) reads files.
 
-    Memory stays bounded by ``threads * chunk_bytes`` of reads in flight (plus, on CUDA,
+    Memory stays bounded by ``threads * chunk_bytes`` of reads in flight (plus a 1 MiB
+    bounce buffer per thread for closely strided split-1 rows and, on CUDA,
     ``staging_buffers * chunk_bytes`` of pinned host memory), whatever the shard size.
     """
 
     threads: int | None = None
     """Reader threads issuing positional reads in parallel. None: 4 for host
-    destinations; for CUDA destinations one per CPU this process may run on, 4 to 16.
+    destinations; for CUDA destinations one per CPU this process may run on, 4 to 12.
     A GPU load from the page cache is bound by the threads' copies out of the page cache
-    into pinned memory: on a 16-core H200 host, 8 GB went at 15 GB/s with 4 threads and
-    27 GB/s with 12 or 16 (docs/benchmarks.md)."""
+    into pinned memory: on 16-core H200 hosts, 8 GB went at 12-17 GB/s with 4 threads,
+    24-28 GB/s with 8 or 12, and no faster (on one host slower) with 16
+    (docs/benchmarks.md)."""
     chunk_bytes: int | None = None
     """The most bytes one read request covers; large tensors are split into chunks so
     they are read in parallel, and small file-contiguous tensors are merged up to it.
@@ -67,7 +69,7 @@ class ReaderOptions:
     def for_device(self, device: torch.device) -> ReadSettings:
         """These options decided for reading into ``device``."""
         cuda = device.type == "cuda"
-        threads = self.threads or (min(16, max(4, len(os.sched_getaffinity(0)))) if cuda else 4)
+        threads = self.threads or (min(12, max(4, len(os.sched_getaffinity(0)))) if cuda else 4)
         chunk = self.chunk_bytes or ((8 if cuda else 32) << 20)
         return ReadSettings(threads, chunk, self.staging_buffers or threads + 2)
 

@@ -6,9 +6,10 @@ destination buffer); :func:`shard_segments` makes them from a rank's shards.
 :func:`plan_reads` turns them into :class:`Read` s of at most ``chunk_bytes``: a large
 segment is split so its chunks are read in parallel, segments that touch in the file are
 merged into one ``os.preadv`` with one buffer per segment (scatter read, no intermediate
-copy), and the strided rows of a split-1 shard stay one ``os.preadv`` per row (they are
-not contiguous in the file). :func:`batch_reads` groups consecutive reads so a thread
-hand-off costs one per ``chunk_bytes``, not one per row.
+copy), and the strided rows of a split-1 shard stay one strided read (the reader reads
+them row by row, or, when they are less than a page apart, as runs of rows gathered out
+of a bounce buffer). :func:`batch_reads` groups consecutive reads so a thread hand-off
+costs one per ``chunk_bytes``, not one per row.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class Segment:
     With ``row > 0`` the file bytes are strided: ``length // row`` rows of ``row`` bytes,
     ``stride`` apart from ``offset`` on (the rows of a split-1 shard); they land one
     after the other at ``target_offset``. One such segment replaces thousands of
-    per-row objects; the rows are still read one ``os.preadv`` each, on a reader thread.
+    per-row objects; its rows are read on one reader thread (``reader._pread_all``).
     """
 
     file: str
