@@ -91,3 +91,28 @@ def test_importing_loading_does_not_import_fastsafetensors() -> None:
         "assert 'fastsafetensors' not in sys.modules, 'fastsafetensors imported eagerly'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    ("method", "imported"),
+    [("scratch", False), ("dummy", False), ("auto", True), ("fastsafetensors", True)],
+)
+def test_a_rank_load_imports_fastsafetensors_only_for_methods_that_may_use_it(
+    mixed_dtype_checkpoint: Path, method: str, imported: bool
+) -> None:
+    code = (
+        "import sys\n"
+        "from rayload.loading import load_rank\n"
+        f"_, report = load_rank({str(mixed_dtype_checkpoint)!r}, 0, 2, {method!r})\n"
+        "print(report.method.effective.value, 'fastsafetensors' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    effective = "scratch" if method == "auto" else method  # auto on CPU: scratch
+    assert out.stdout.split() == [effective, str(imported)]
+
+
+def test_a_probe_without_fastsafetensors_says_it_was_not_probed() -> None:
+    env = probe_environment(fastsafetensors=False)
+    assert not env.fastsafetensors_installed
+    assert env.fastsafetensors_error == probe_module.FASTSAFETENSORS_NOT_PROBED
+    assert env.cuda_available == torch.cuda.is_available()

@@ -24,13 +24,18 @@ from rayload.loading.methods import LoadMethod, MethodReport
 from rayload.loading.plan import plan_shards
 from rayload.loading.probe import EnvProbe, probe_environment
 from rayload.loading.report import PhaseTimer, RankReport
-from rayload.loading.resolve import LayoutInfo, log_fallback, resolve_method
+from rayload.loading.resolve import LayoutInfo, log_fallback, parse_method, resolve_method
 from rayload.loading.rules import RulesArg
 
 PostLoad = Callable[[dict[str, torch.Tensor]], object]
 """Post-load work on the loaded tensors (e.g. weight processing); its result is ignored."""
 
 _MODEL_ROLES = ("main", "draft")
+
+_MAY_USE_FASTSAFETENSORS = frozenset(
+    {LoadMethod.AUTO, LoadMethod.FASTSAFETENSORS, LoadMethod.FASTSAFETENSORS_GDR}
+)
+"""Requested methods that may end up running fastsafetensors: only these import it."""
 
 _UNCHECKED_METHODS = frozenset({LoadMethod.FASTSAFETENSORS, LoadMethod.FASTSAFETENSORS_GDR})
 """Methods that can read a converted checkpoint's rank files but do not check their
@@ -69,9 +74,11 @@ def load_rank(
     _check_rank(rank, tp_size, model_role)
     with timer.phase("rank.resolve", tp_size=tp_size, model_role=model_role) as attrs:
         checkpoint = open_checkpoint(path)
-        env = probe if probe is not None else probe_environment()
+        requested = parse_method(method)
+        may_use_fst = requested in _MAY_USE_FASTSAFETENSORS
+        env = probe if probe is not None else probe_environment(fastsafetensors=may_use_fst)
         resolution = resolve_method(
-            method,
+            requested,
             env,
             LayoutInfo.of(checkpoint),
             tp_size=tp_size,
