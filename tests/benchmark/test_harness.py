@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
+from itertools import pairwise
 from typing import Any
 
+import pytest
 import torch
 
 from rayload.benchmark import BenchConfig
 from rayload.benchmark.cases import CASES
+from rayload.benchmark.runner import balanced_order
 
 TRACING = "tracing overhead on rayload.load"
 
@@ -35,9 +39,7 @@ def test_cases_are_interleaved_by_repetition(bench_result: dict[str, Any]) -> No
     assert reps[0] == 0 and reps[-1] == 1
 
 
-def test_each_repetition_starts_one_case_further(bench_result: dict[str, Any]) -> None:
-    """No case always runs right after the same neighbour (A B C, then B C A)."""
-
+def test_each_repetition_runs_its_row_of_the_balanced_order(bench_result: dict[str, Any]) -> None:
     def order(rep: int, cache: str, per_rank: bool) -> list[str]:
         return [
             s["case"]
@@ -47,9 +49,27 @@ def test_each_repetition_starts_one_case_further(bench_result: dict[str, Any]) -
 
     for cache in ("cold", "warm"):
         for per_rank in (False, True):
-            first, second = order(0, cache, per_rank), order(1, cache, per_rank)
+            first = order(0, cache, per_rank)
             assert len(first) > 1
-            assert second == first[1:] + first[:1]
+            table = [c for c in CASES if c in first]  # the cases in table order
+            assert first == balanced_order(table, 0)
+            assert order(1, cache, per_rank) == balanced_order(table, 1) != first
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_balanced_order_puts_every_case_after_every_other_equally_often(n: int) -> None:
+    """A Williams design: over n repetitions (2n when n is odd) each ordered pair of cases
+    is adjacent equally often, and each case holds each position equally often."""
+    items = list("abcdefgh"[:n])
+    reps = 2 * n if n % 2 else n
+    orders = [balanced_order(items, rep) for rep in range(reps)]
+    assert all(sorted(o) == items for o in orders)
+    pairs = Counter(pair for o in orders for pair in pairwise(o))
+    assert set(pairs) == {(a, b) for a in items for b in items if a != b}
+    assert len(set(pairs.values())) <= 1
+    positions = Counter((case, i) for o in orders for i, case in enumerate(o))
+    assert set(positions.values()) == {reps // n}
+    assert balanced_order(items, reps) == orders[0]  # and then it starts over
 
 
 def test_all_cases_hand_each_rank_identical_tensors(bench_result: dict[str, Any]) -> None:

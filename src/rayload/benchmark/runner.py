@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rayload.benchmark import probes
 from rayload.benchmark.cases import CASES, Case, RankJob
@@ -327,20 +327,32 @@ def run_all(config: BenchConfig, prep: Prepared, progress: Progress) -> list[Cas
     samples: list[CaseSample] = []
     for rep in range(config.repeat):
         for cache in config.caches:
-            for limit in _rotated(limits, rep):
+            for limit in balanced_order(limits, rep):
                 samples.append(run_case(limit, 1, cache, rep, prep, config))
                 _report(samples[-1], progress)
             for tp in config.tp_sizes:
-                for case in _rotated(cases, rep):
+                for case in balanced_order(cases, rep):
                     samples.append(run_case(case, tp, cache, rep, prep, config))
                     _report(samples[-1], progress)
     return samples
 
 
-def _rotated(items: Sequence[Case], by: int) -> list[Case]:
-    """``items`` starting at ``by`` (modulo their number), wrapping around."""
-    k = by % len(items) if items else 0
-    return [*items[k:], *items[:k]]
+T = TypeVar("T")
+
+
+def balanced_order(items: Sequence[T], rep: int) -> list[T]:
+    """Repetition ``rep``'s order of ``items``: row ``rep`` of a Williams design, a Latin
+    square in which, over n repetitions (2n for an odd number n of items), every item runs
+    directly after every other item equally often. Whatever a case leaves behind (freed
+    memory, the disk's state) then lands on every other case alike; a rotation (A B C,
+    B C A, C A B) would keep C right after B in every repetition but one."""
+    n = len(items)
+    first = [0]  # 0, 1, n-1, 2, n-2, ...: consecutive differences all distinct mod n
+    for k in range(1, n):
+        first.append((k + 1) // 2 if k % 2 else n - k // 2)
+    row = rep % (2 * n if n % 2 else n)
+    order = [(i + row) % n for i in first]
+    return [items[i] for i in (order[::-1] if row >= n else order)]
 
 
 def selected_cases(config: BenchConfig) -> tuple[str, ...]:
