@@ -14,6 +14,7 @@ import torch
 from rayload.benchmark import BenchConfig
 from rayload.benchmark.cases import CASES
 from rayload.benchmark.runner import balanced_order
+from rayload.loading.report import PHASES
 
 TRACING = "tracing overhead on rayload.load"
 
@@ -136,6 +137,18 @@ def test_rayload_cases_report_the_method_that_ran(bench_result: dict[str, Any]) 
             assert s["effective"] == [s["case"]]
         else:
             assert s["effective"] == []
+
+
+def test_rayload_ranks_report_their_phases_within_their_wall_time(
+    bench_result: dict[str, Any],
+) -> None:
+    for s in bench_result["samples"]:
+        for r in s["ranks"]:
+            if CASES[s["case"]].kind != "rayload":
+                assert r["phases"] == {}
+                continue
+            assert list(r["phases"]) == list(PHASES), s["case"]
+            assert 0 < sum(r["phases"].values()) <= r["seconds"]
 
 
 def test_ratios_refer_to_the_limit_and_peers_of_the_same_cache(

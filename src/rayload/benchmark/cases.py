@@ -47,13 +47,16 @@ class Loaded:
     """A case's result: the rank's tensors, plus what the case knows about its own reads.
 
     ``mapped_bytes`` are file pages a memory-mapped reader touched (invisible to
-    ``rchar``); ``effective`` is the load method that really ran (rayload cases).
+    ``rchar``); ``effective`` is the load method that really ran and ``phases`` where its
+    time went (rayload cases).
     """
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     mapped_bytes: int = 0
     effective: str | None = None
     fallback_reason: str | None = None
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per ``rank.*`` phase of the rank's load (rayload cases)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,7 @@ def _rayload(method: str) -> Callable[[RankJob], Loaded]:
             dict(tensors),
             effective=str(report.method.effective),
             fallback_reason=report.method.fallback_reason,
+            phases={p.name: p.seconds for p in report.phases},
         )
 
     return run

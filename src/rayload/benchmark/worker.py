@@ -14,7 +14,7 @@ import logging
 import pkgutil
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -51,6 +51,7 @@ class RankSample:
     digest: str | None = None
     effective: str | None = None
     fallback_reason: str | None = None
+    phases: dict[str, float] = field(default_factory=dict)
     error: str | None = None
 
     @property
@@ -80,6 +81,7 @@ class RankSample:
             "digest": self.digest,
             "effective": self.effective,
             "fallback_reason": self.fallback_reason,
+            "phases": {name: round(seconds, 6) for name, seconds in self.phases.items()},
             "error": self.error,
         }
 
@@ -140,6 +142,7 @@ def _measure(job: RankJob, barrier: Any, barrier_timeout_s: float) -> RankSample
         digest=digest(loaded.tensors) if job.verify and loaded.tensors else None,
         effective=loaded.effective,
         fallback_reason=loaded.fallback_reason,
+        phases=loaded.phases,
     )
 
 
