@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter
 from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ import torch
 from rayload.benchmark import BenchConfig
 from rayload.benchmark.cases import CASES
 from rayload.benchmark.runner import balanced_order
+from rayload.loading.manifest import MANIFEST_NAME
 from rayload.loading.report import PHASES
 
 TRACING = "tracing overhead on rayload.load"
@@ -78,7 +81,7 @@ def test_all_cases_hand_each_rank_identical_tensors(bench_result: dict[str, Any]
     digests = {
         (s["case"], r["rank"]): r["digest"]
         for s in bench_result["samples"]
-        if CASES[s["case"]].per_rank
+        if CASES[s["case"]].kind != "limit"
         for r in s["ranks"]
     }
     assert all(digests.values())
@@ -89,7 +92,7 @@ def test_all_cases_hand_each_rank_identical_tensors(bench_result: dict[str, Any]
 def test_rank_shard_bytes_match_the_plan(bench_result: dict[str, Any]) -> None:
     plan = bench_result["checkpoint"]["plan_rank_bytes"]["2"]
     for s in bench_result["samples"]:
-        if CASES[s["case"]].per_rank:
+        if CASES[s["case"]].kind != "limit":
             assert [r["shard_bytes"] for r in s["ranks"]] == plan, s["case"]
 
 
@@ -109,6 +112,25 @@ def test_limits_read_every_checkpoint_byte_once(bench_result: dict[str, Any]) ->
         assert rank["mapped_bytes"] == 0
     for s in _samples(bench_result, "limit_alloc"):
         assert s["ranks"][0]["rss_peak_delta"] >= ckpt["bytes"]  # new memory for every byte
+
+
+def test_rank_files_limit_reads_each_ranks_converted_files_once(
+    bench_result: dict[str, Any], bench_config: BenchConfig
+) -> None:
+    [tp] = bench_config.tp_sizes
+    name = f"{Path(str(bench_config.checkpoint)).name}-converted-tp{tp}"
+    manifest = json.loads((Path(bench_config.workdir) / name / MANIFEST_NAME).read_text())
+    rank_bytes = {
+        int(rank): sum(manifest["files"][f]["size"] for f in files)
+        for rank, files in manifest["ranks"].items()
+    }
+    samples = _samples(bench_result, "limit_rank_files")
+    assert len(samples) == 2 * bench_config.repeat  # cold and warm
+    for s in samples:
+        assert [r["rank"] for r in s["ranks"]] == list(range(tp))
+        for r in s["ranks"]:
+            want = rank_bytes[r["rank"]]
+            assert want <= r["rchar_bytes"] < want + 16_384, r  # + the manifest and /proc
 
 
 def test_bytes_read_cover_what_each_reader_must_read(bench_result: dict[str, Any]) -> None:
@@ -185,6 +207,19 @@ def test_peer_targets_say_how_much_faster_the_fastest_limit_ran(
         [p] = [s for s in cold if (s["case"], s["tp_size"]) == (peer, tp)]
         said = f"{fastest['case']} ran {p['wall_s'] / fastest['wall_s']:.2f}x faster than {peer}"
         assert names[f"scratch cold vs {peer}"]["note"] == said
+
+
+def test_cold_limit_targets_say_what_plain_reads_in_parallel_took(
+    bench_result: dict[str, Any],
+) -> None:
+    """A reader running N streams at once cannot beat N plain streams: the cold target
+    against the one-stream limit carries what the disk gave such streams in that run."""
+    cold = {(s["case"], s["tp_size"]): s for s in bench_result["summary"] if s["cache"] == "cold"}
+    tp = max(t for _, t in cold)
+    names = {t["name"]: t for t in bench_result["targets"]}
+    for case, own in (("scratch", ("limit_parallel", 1)), ("converted", ("limit_rank_files", tp))):
+        said = f"{own[0]} took {cold[own]['x_limit']:.2f}x limit"
+        assert names[f"{case} cold vs limit"]["note"] == said
 
 
 def test_amplification_by_kind_covers_both_kinds_and_rayload_cases(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
@@ -70,6 +70,8 @@ class Case:
     run: Callable[[RankJob], Loaded]
     per_rank: bool = True
     needs_cuda: bool = False
+    reads_converted: bool = False
+    """It reads the converted copy for the TP size (``RankJob.converted``)."""
 
 
 def shard_index(
@@ -94,9 +96,7 @@ def _rayload(method: str) -> Callable[[RankJob], Loaded]:
     def run(job: RankJob) -> Loaded:
         from rayload.loading import load_rank
 
-        path = job.converted if method == "converted" else job.checkpoint
-        if path is None:
-            raise ValueError(f"case {method!r} needs a converted checkpoint for tp={job.tp_size}")
+        path = _converted_dir(job) if method == "converted" else job.checkpoint
         tensors, report = load_rank(path, job.rank, job.tp_size, method=method, device=job.device)
         return Loaded(
             dict(tensors),
@@ -170,9 +170,32 @@ LIMIT_CHUNK = 16 << 20
 def _sequential_read(job: RankJob) -> Loaded:
     """The limit: every byte of every checkpoint file, read once, in order, with large
     reads into one reused buffer (the kernel's sequential readahead at its widest)."""
+    _read_in_order(job.files)
+    return Loaded()
+
+
+def _rank_files_read(job: RankJob) -> Loaded:
+    """The limit of ``converted``: this rank's files of the converted copy, read the way
+    the limit reads, one process per rank as ``converted`` runs. What the disk gives
+    four separate file streams, against the one stream of ``limit``."""
+    from rayload.loading.manifest import MANIFEST_NAME, read_manifest
+
+    root = _converted_dir(job)
+    manifest = read_manifest(os.path.join(root, MANIFEST_NAME))
+    _read_in_order([os.path.join(root, name) for name in manifest.ranks[job.rank]])
+    return Loaded()
+
+
+def _converted_dir(job: RankJob) -> str:
+    if job.converted is None:
+        raise ValueError(f"case {job.case!r} needs a converted checkpoint for tp={job.tp_size}")
+    return job.converted
+
+
+def _read_in_order(paths: Sequence[str]) -> None:
     buf = bytearray(LIMIT_CHUNK)
     view = memoryview(buf)
-    for path in job.files:
+    for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -180,7 +203,6 @@ def _sequential_read(job: RankJob) -> Loaded:
                 pass
         finally:
             os.close(fd)
-    return Loaded()
 
 
 def _parallel_read(job: RankJob) -> Loaded:
@@ -250,12 +272,20 @@ CASES: dict[str, Case] = {
             _parallel_read,
             per_rank=False,
         ),
+        Case(
+            "limit_rank_files",
+            "limit",
+            "each rank's files of the converted copy read the limit's way, one process per rank",
+            _rank_files_read,
+            reads_converted=True,
+        ),
         Case("scratch", "rayload", "rayload load_rank(method='scratch')", _rayload("scratch")),
         Case(
             "converted",
             "rayload",
             "rayload load_rank(method='converted') on a converted copy",
             _rayload("converted"),
+            reads_converted=True,
         ),
         Case(
             "fastsafetensors",

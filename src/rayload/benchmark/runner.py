@@ -158,7 +158,7 @@ def prepare(config: BenchConfig, progress: Progress) -> Prepared:
     requested = selected_cases(config)
     skipped = {n: r for n in requested if (r := unavailable_reason(CASES[n])) is not None}
     checkpoint = config.checkpoint or _generated_checkpoint(config, progress)
-    convert = "converted" in requested and "converted" not in skipped
+    convert = any(CASES[n].reads_converted for n in requested if n not in skipped)
     return prepare_checkpoint(
         checkpoint, config.tp_sizes, config.workdir, progress, convert=convert, skipped=skipped
     )
@@ -234,7 +234,7 @@ def _converted_copy(
 
 
 def _case_files(case: Case, tp: int, prep: Prepared) -> tuple[str, ...]:
-    return prep.converted_files[tp] if case.name == "converted" else prep.files
+    return prep.converted_files[tp] if case.reads_converted else prep.files
 
 
 def _all_files(prep: Prepared) -> tuple[str, ...]:

@@ -33,6 +33,9 @@ from rayload.benchmark.runner import CaseSample
 
 MB = 1 << 20
 _LIMITS = frozenset(name for name, case in CASES.items() if case.kind == "limit")
+_PARALLEL_LIMIT = {"scratch": "limit_parallel", "converted": "limit_rank_files"}
+"""The limit case that reads with the parallelism of each rayload reader: every CPU on
+the original files, or each rank process on its own converted files."""
 
 
 @dataclass(frozen=True)
@@ -189,11 +192,18 @@ def targets(
     def ceiling(peer: str, cache: str) -> str:
         """How much faster than ``peer`` the fastest limit case ran in this run: about
         what a reader as fast as the disk (cold) or memory (warm) allows would gain."""
-        limits = [s for (c, _, k), s in by.items() if k == cache and c in _LIMITS]
+        limits = [s for (c, t, k), s in by.items() if k == cache and c in _LIMITS and t in (1, tp)]
         if (p := by.get((peer, tp, cache))) is None or not limits:
             return ""
         fastest = min(limits, key=lambda s: s.wall_s)
         return f"{fastest.case} ran {p.wall_s / fastest.wall_s:.2f}x faster than {peer}"
+
+    def own_limit(case: str, cache: str) -> str:
+        """What plain reads with ``case``'s parallelism took against the one-stream limit:
+        when the disk serves parallel streams slower, so must the case."""
+        name = _PARALLEL_LIMIT[case]
+        s = next((by[key] for t in (tp, 1) if (key := (name, t, cache)) in by), None)
+        return f"{name} took {s.x_limit:.2f}x limit" if s and s.x_limit else ""
 
     for case in ("scratch", "converted"):
         check(
@@ -204,6 +214,7 @@ def targets(
             lambda s: s.x_limit,
             lambda v: v <= 1.15,
             "{:.2f}x",
+            own_limit(case, "cold"),
         )
         check(
             case,
