@@ -2,10 +2,10 @@
 
 Order: for each repetition, for each cache state, for each TP size, the limits first and
 then every case (A B C A B C ...), so slow drift of a shared machine spreads over all
-cases instead of biasing one. Each repetition starts one place further along the list
-(A B C, B C A, C A B, ...), so no case always runs right after the same neighbour (with
-a fixed order, cold ``converted`` always ran right after ``scratch``, and came out 6-27%
-slower than it in four runs while the two were level when either ran alone).
+cases instead of biasing one. Each repetition takes its own row of a Williams design
+(:func:`balanced_order`), so every case runs right after every other case equally often
+(with a fixed order, cold ``converted`` always ran right after ``scratch``, and came out
+6-27% slower than it in four runs while the two were level when either ran alone).
 
 Before a cold case every file any case may read (checkpoint and converted copies) is
 evicted from the page cache; before a warm case the files the case reads are read once.
