@@ -6,7 +6,9 @@
   replicated tensors in each), index over 3 files + config.json, written by the
   ``safetensors`` library so it is the reference format. Session-scoped, read-only.
 * ``reference_shard(path, rank, tp, name, split)``: what rank ``rank`` of ``tp`` must
-  hold of ``name``, sliced from ``safetensors.torch.load_file``.
+  hold of ``name``, sliced from ``safetensors.torch.load_file`` (for these unfused Llama
+  names; a ``k_proj``/``v_proj`` with fewer KV heads than ranks is one whole KV head,
+  ``rank // (tp // kv_heads)``: vLLM's replication).
 * ``write_raw_safetensors(path, header, data)``: write a possibly malformed file byte by
   byte (8-byte length, JSON header, data), for bad-input tests.
 """
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -97,6 +100,14 @@ def _all_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _kv_heads(path: Path) -> int | None:
+    config = (path if path.is_dir() else path.parent) / "config.json"
+    if not config.is_file():
+        return None
+    data = json.loads(config.read_text())
+    return data.get("num_key_value_heads") or data.get("num_attention_heads")
+
+
 @pytest.fixture(scope="session")
 def reference_shard() -> Callable[[Path, int, int, str, int | None], torch.Tensor]:
     """``(path, rank, tp, name, split) -> tensor``: the expected shard, contiguous."""
@@ -109,6 +120,10 @@ def reference_shard() -> Callable[[Path, int, int, str, int | None], torch.Tenso
         full = cache[key][name]
         if split is None:
             return full
+        kv_heads = _kv_heads(key)
+        if kv_heads and kv_heads < tp and re.search(r"\.[kv]_proj\.", name):
+            head = rank // (tp // kv_heads)
+            return torch.tensor_split(full, kv_heads, dim=split)[head].contiguous()
         return torch.tensor_split(full, tp, dim=split)[rank].contiguous()
 
     return shard

@@ -16,8 +16,14 @@ A rules file is JSON::
 
 ``pattern`` is a Python regular expression matched against the *whole* tensor name
 (``re.fullmatch``). ``split`` is ``0``, ``1`` or ``"replicate"``. The first matching rule
-wins. With ``use_preset`` the architecture's preset rules are tried after the file's, so a
-file can override a few tensors and keep the rest. See docs/sharding.md.
+wins. ``parts`` (optional) describes the split dimension as attention heads or as fused
+components, in order: ``"q"`` (the query heads), ``"kv"`` (the key/value heads) and
+``"even"`` (an equal share of what the other parts leave): ``["q"]`` for ``q_proj``,
+``["kv"]`` for ``k_proj``, ``["q", "kv", "kv"]`` for a fused ``qkv_proj``,
+``["even", "even"]`` for a fused ``gate_up_proj``. Head counts come from ``config.json``;
+``head_size`` (optional) overrides its head dimension. With ``use_preset`` the
+architecture's preset rules are tried after the file's, so a file can override a few
+tensors and keep the rest. See docs/sharding.md.
 """
 
 from __future__ import annotations
@@ -27,11 +33,19 @@ import os
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from rayload.errors import ConfigError
 
 SplitSpec = Literal[0, 1, "replicate"]
+PartSpec = Literal["q", "kv", "even"]
 
 
 class RuleSpec(BaseModel):
@@ -41,6 +55,12 @@ class RuleSpec(BaseModel):
 
     pattern: str = Field(min_length=1, description="regex matched against the whole name")
     split: SplitSpec = Field(description='0, 1 or "replicate"')
+    parts: list[PartSpec] | None = Field(
+        default=None, description='the split dimension as heads or fused parts: "q", "kv", "even"'
+    )
+    head_size: int | None = Field(
+        default=None, ge=1, description="head dimension of q/kv parts (default: config.json's)"
+    )
 
     @field_validator("split", mode="before")
     @classmethod
@@ -59,6 +79,14 @@ class RuleSpec(BaseModel):
                 f"pattern {pattern!r} is not a valid regular expression: {exc}"
             ) from exc
         return pattern
+
+    @model_validator(mode="after")
+    def _parts_need_a_split(self) -> RuleSpec:
+        if self.parts is not None and (self.split == "replicate" or not self.parts):
+            raise ValueError("parts need a split dimension (0 or 1) and at least one part")
+        if self.head_size is not None and not set(self.parts or ()) & {"q", "kv"}:
+            raise ValueError('head_size applies to "q" or "kv" parts only')
+        return self
 
 
 class RulesFile(BaseModel):

@@ -235,9 +235,7 @@ def _rank_tensors(
                     file=info.file,
                     tensor=name,
                 )
-            expected = shard_shape(
-                tuple(manifest.full_shapes[name]), manifest.splits[name], manifest.tp_size
-            )
+            expected = _expected_shard_shape(manifest, name)
             if info.shape != expected:
                 raise CheckpointError(
                     f"{info.file}: tensor {name!r} of rank {rank} has shape {list(info.shape)}, "
@@ -255,6 +253,12 @@ def _rank_tensors(
             tensor=missing[0],
         )
     return tensors
+
+
+def _expected_shard_shape(manifest: Manifest, name: str) -> tuple[int, ...]:
+    if manifest.shard_shapes is not None and name in manifest.shard_shapes:
+        return tuple(manifest.shard_shapes[name])
+    return shard_shape(tuple(manifest.full_shapes[name]), manifest.splits[name], manifest.tp_size)
 
 
 def check_converted_tp(root: str, converted_tp: int | None, tp_size: int) -> None:

@@ -136,6 +136,7 @@ def _write_converted(
             "files": files,
             "splits": dict(plan.splits),
             "full_shapes": {s.name: list(s.full_shape) for s in first_rank},
+            "shard_shapes": {s.name: list(s.shape) for s in first_rank},
         }
     )
     _copy_side_files(Path(checkpoint.root), out_dir)

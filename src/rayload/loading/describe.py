@@ -96,6 +96,15 @@ def describe_plan(plan: ShardPlan, root: str) -> dict[str, Any]:
         "checkpoint_bytes": plan.checkpoint_bytes,
         "replicated_bytes": plan.replicated_bytes,
         "replicated_tensors": sum(1 for s in plan.splits.values() if s is None),
+        "heads": None
+        if plan.heads is None
+        else {
+            "attention": plan.heads.num_heads,
+            "kv": plan.heads.num_kv_heads,
+            "head_dim": plan.heads.head_dim,
+            "kv_replicas": plan.kv_replicas,
+        },
+        "replicated_head_bytes": plan.replicated_head_bytes,
         "read_amplification": plan.read_amplification,
         "unmatched": {
             "count": len(plan.unmatched),
@@ -125,8 +134,8 @@ def render_plan(summary: dict[str, Any]) -> str:
         for r in summary["ranks"]
     ]
     lines += _table(["rank", "bytes", "tensors", "files"], rows)
+    lines += ["", *_heads_lines(summary)]
     lines += [
-        "",
         f"replicated          {human_bytes(summary['replicated_bytes'])} in "
         f"{summary['replicated_tensors']} tensors, read in full by every rank",
         f"unmatched           {unmatched['count']} tensors ({human_bytes(unmatched['bytes'])}) "
@@ -140,6 +149,23 @@ def render_plan(summary: dict[str, Any]) -> str:
         lines.append(f"  ... and {unmatched['count'] - len(shown)} more (see --json)")
     lines += [f"warning: {unused_rule_message(p)}" for p in summary["unused_rules"]]
     return "\n".join(lines)
+
+
+def _heads_lines(summary: dict[str, Any]) -> list[str]:
+    heads = summary["heads"]
+    if heads is None:
+        return ["heads               none declared in config.json"]
+    lines = [
+        f"heads               {heads['attention']} query, {heads['kv']} KV, head_dim "
+        f"{heads['head_dim']}: cut in whole heads"
+    ]
+    if heads["kv_replicas"] > 1:
+        lines.append(
+            f"KV heads replicated each on {heads['kv_replicas']} ranks "
+            f"({heads['kv']} KV heads < tp {summary['tp_size']}): "
+            f"{human_bytes(summary['replicated_head_bytes'])} read more than once"
+        )
+    return lines
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:

@@ -12,8 +12,13 @@ reads and checks it. Example::
       "ranks": {"0": ["model-rank-0-part-0.safetensors"], "1": [...]},
       "files": {"model-rank-0-part-0.safetensors": {"size": 123, "crc32": "1a2b3c4d"}, ...},
       "splits": {"lm_head.weight": 0, "model.norm.weight": null, ...},
-      "full_shapes": {"lm_head.weight": [512, 64], ...}
+      "full_shapes": {"lm_head.weight": [512, 64], ...},
+      "shard_shapes": {"lm_head.weight": [256, 64], ...}
     }
+
+``shard_shapes`` (every rank's shard has the same shape) is what the planner gave each
+tensor, whole heads and fused parts included; manifests written before it existed lack it,
+and their shards are the full shape cut evenly on the split.
 
 Checksums are CRC-32 (zlib's polynomial, 8 lowercase hex digits) of the whole file: they
 catch truncation and corruption, and are not a defence against deliberate tampering. They
@@ -88,6 +93,7 @@ class Manifest(BaseModel):
     files: dict[str, FileEntry]
     splits: dict[str, Literal[0, 1] | None]
     full_shapes: dict[str, list[int]]
+    shard_shapes: dict[str, list[int]] | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:

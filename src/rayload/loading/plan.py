@@ -9,6 +9,12 @@ Byte layout of a shard, for a row-major tensor of shape ``(d0, d1, *rest)`` cut 
   of columns ``[r*d1/tp, (r+1)*d1/tp)`` (with all of ``rest``): ``d0`` ranges of
   ``d1/tp * prod(rest) * itemsize`` bytes, one row stride apart (one range when tp is 1);
 * replicated: the whole tensor.
+
+A rule with ``parts`` (:mod:`rayload.loading.heads`) cuts the split dimension in whole
+attention heads, or per fused component: a rank's shard is then the concatenation of its
+pieces of that dimension, one byte range per piece for split 0 (per row and piece for
+split 1), still only the rank's bytes. With fewer KV heads than ranks, the ranks that
+share a KV head each read it (the plan counts those bytes, ``replicated_head_bytes``).
 """
 
 from __future__ import annotations
@@ -26,10 +32,10 @@ from rayload.loading.checkpoint import (
     TensorInfo,
     check_converted_tp,
     open_checkpoint,
-    shard_shape,
 )
 from rayload.loading.dtypes import ITEMSIZE
-from rayload.loading.rules import RulesArg, RuleSet, resolve_rules, unused_rule_message
+from rayload.loading.heads import HeadError, HeadLayout, Piece, kv_replicas, rank_pieces
+from rayload.loading.rules import Rule, RulesArg, RuleSet, resolve_rules, unused_rule_message
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +109,12 @@ def _fields(r: RowRanges) -> tuple[str, int, int, int, int]:
 class TensorShard:
     """One tensor as one rank sees it.
 
-    ``split`` is the dimension cut across ranks (0 or 1) or None when replicated.
-    ``ranges`` list the file bytes that hold this rank's shard, in the order they appear in
-    the shard's row-major layout (a split-1 tensor has one range per row, coalesced where
+    ``split`` is the dimension cut across ranks (0 or 1) or None when replicated;
+    ``pieces`` the ``(start, length)`` runs of that dimension the shard holds, in order
+    (one for a plain split, one per fused component, empty when replicated or when the
+    tensor is already a shard, as in a converted checkpoint). ``ranges`` list the file
+    bytes that hold this rank's shard, in the order they appear in the shard's row-major
+    layout (a split-1 tensor has one range per row, coalesced where
     rows touch; :func:`plan_shards` gives those as a compact :class:`RowRanges`). The
     concatenation of the ranges is exactly the shard's bytes.
     """
@@ -116,6 +125,7 @@ class TensorShard:
     shape: tuple[int, ...]
     split: int | None
     ranges: Sequence[ByteRange]
+    pieces: tuple[Piece, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -155,7 +165,9 @@ class ShardPlan:
     ``unmatched`` names the tensors replicated only because no rule matched them;
     ``unused_rules`` the patterns of the user's rules that matched no tensor;
     ``rules_source`` says which rules were used (``preset:<arch>``, a file path,
-    ``manifest`` for a converted checkpoint, or ``none``).
+    ``manifest`` for a converted checkpoint, or ``none``); ``heads`` the attention heads
+    config.json declares (None when it declares none) and ``kv_replicas`` how many ranks
+    hold each KV head (1 unless there are fewer KV heads than ranks).
     """
 
     tp_size: int
@@ -166,6 +178,8 @@ class ShardPlan:
     rules_source: str = ""
     layout: str = ""
     unused_rules: tuple[str, ...] = ()  # patterns of the user's rules that matched nothing
+    heads: HeadLayout | None = None
+    kv_replicas: int = 1
 
     def split_dim(self, name: str) -> int | None:
         """0, 1 or None (replicated) for tensor ``name``; KeyError if unknown."""
@@ -180,6 +194,18 @@ class ShardPlan:
     def replicated_bytes(self) -> int:
         """Bytes every rank reads in full (counted once)."""
         return sum(s.nbytes for s in self.ranks[0].shards if s.split is None)
+
+    @property
+    def replicated_head_bytes(self) -> int:
+        """Bytes of split tensors read by more than one rank, beyond the first copy: the
+        KV heads that ranks share when there are fewer KV heads than ranks."""
+        split = [s for rank in self.ranks for s in rank.shards if s.split is not None]
+        full = sum(
+            math.prod(s.full_shape) * ITEMSIZE[s.dtype]
+            for s in self.ranks[0].shards
+            if s.split is not None
+        )
+        return sum(s.nbytes for s in split) - full if self.layout != "converted" else 0
 
     @property
     def unmatched_bytes(self) -> int:
@@ -218,16 +244,37 @@ def plan_shards(
 
 def _plan_hf(checkpoint: Checkpoint, tp_size: int, ruleset: RuleSet) -> ShardPlan:
     tensors = _in_file_order(checkpoint.files, checkpoint.tensors.values())
+    heads = HeadLayout.from_config(checkpoint.config)
     splits: dict[str, int | None] = {}
+    pieces: dict[str, list[tuple[Piece, ...]]] = {}
     unmatched: list[str] = []
+    headless: list[str] = []
     for info in tensors:
         rule = ruleset.match(info.name)
         if rule is None:
             unmatched.append(info.name)
         splits[info.name] = rule.split if rule else None
-        _check_splittable(info, splits[info.name], tp_size)
+        if rule is not None and rule.split is not None:
+            pieces[info.name] = _rank_pieces(info, rule, heads, tp_size)
+            if heads is None and {"q", "kv"} & set(rule.parts):
+                headless.append(info.name)
+    if headless and tp_size > 1:
+        log.warning(
+            "%s: config.json declares no attention heads, so %d head-split tensors (e.g. "
+            "%s) are cut evenly, which may cut a head; add num_attention_heads to config.json",
+            checkpoint.root,
+            len(headless),
+            headless[0],
+        )
     ranks = tuple(
-        RankPlan(rank, tp_size, tuple(_shard(t, splits[t.name], rank, tp_size) for t in tensors))
+        RankPlan(
+            rank,
+            tp_size,
+            tuple(
+                _shard(t, splits[t.name], pieces[t.name][rank] if t.name in pieces else ())
+                for t in tensors
+            ),
+        )
         for rank in range(tp_size)
     )
     unused = ruleset.unused_user_rules(splits)
@@ -244,7 +291,13 @@ def _plan_hf(checkpoint: Checkpoint, tp_size: int, ruleset: RuleSet) -> ShardPla
         rules_source=ruleset.source,
         layout=checkpoint.layout,
         unused_rules=tuple(rule.pattern for rule in unused),
+        heads=heads,
+        kv_replicas=kv_replicas(heads, tp_size) if _has_kv_rule(ruleset, splits) else 1,
     )
+
+
+def _has_kv_rule(ruleset: RuleSet, names: Iterable[str]) -> bool:
+    return any("kv" in rule.parts for name in names if (rule := ruleset.match(name)))
 
 
 def _plan_converted(checkpoint: Checkpoint, tp_size: int, rules: RulesArg) -> ShardPlan:
@@ -292,9 +345,13 @@ def _in_file_order(files: tuple[str, ...], tensors: Iterable[TensorInfo]) -> lis
     return sorted(tensors, key=lambda t: (order[t.file], t.start))
 
 
-def _check_splittable(info: TensorInfo, split: int | None, tp_size: int) -> None:
-    if split is None:
-        return
+def _rank_pieces(
+    info: TensorInfo, rule: Rule, heads: HeadLayout | None, tp_size: int
+) -> list[tuple[Piece, ...]]:
+    """Every rank's pieces of ``info``'s split dimension; ShardingError naming the tensor
+    when the rule cannot split it ``tp_size`` ways."""
+    split = rule.split
+    assert split is not None
     where = f"tensor {info.name!r} in {info.file}"
     if split >= len(info.shape):
         raise ShardingError(
@@ -304,31 +361,50 @@ def _check_splittable(info: TensorInfo, split: int | None, tp_size: int) -> None
             file=info.file,
         )
     size = info.shape[split]
-    if size % tp_size:
+    if not rule.parts and size % tp_size:
         raise ShardingError(
             f"{where}: dimension {split} has size {size}, not divisible by tp={tp_size}; "
             f"choose a tp size that divides it, or replicate the tensor with a rules file",
             tensor=info.name,
             file=info.file,
         )
+    try:
+        return [
+            rank_pieces(rule.parts, size, heads, rule.head_size, tp_size, rank)
+            for rank in range(tp_size)
+        ]
+    except HeadError as exc:
+        raise ShardingError(
+            f"{where} (dimension {split}, parts {'/'.join(rule.parts) or 'even'}): {exc}",
+            tensor=info.name,
+            file=info.file,
+        ) from exc
 
 
-def _shard(info: TensorInfo, split: int | None, rank: int, tp_size: int) -> TensorShard:
-    """Rank ``rank``'s shard of ``info`` (splittability already checked)."""
+def _shard(info: TensorInfo, split: int | None, pieces: tuple[Piece, ...]) -> TensorShard:
+    """A rank's shard of ``info``: its ``pieces`` of dimension ``split`` (checked)."""
     itemsize = ITEMSIZE[info.dtype]
-    shape = shard_shape(info.shape, split, tp_size)
     if split is None:
         ranges: Sequence[ByteRange] = (ByteRange(info.file, info.start, info.nbytes),)
-    elif split == 0:
-        length = math.prod(shape) * itemsize
-        ranges = (ByteRange(info.file, info.start + rank * length, length),)
+        return TensorShard(info.name, info.dtype, info.shape, info.shape, None, ranges)
+    shape = (*info.shape[:split], sum(n for _, n in pieces), *info.shape[split + 1 :])
+    if split == 0:
+        row = math.prod(info.shape[1:]) * itemsize
+        ranges = tuple(ByteRange(info.file, info.start + s * row, n * row) for s, n in pieces)
     else:
         inner = math.prod(info.shape[2:]) * itemsize
-        block = shape[1] * inner
         stride = info.shape[1] * inner
         rows = info.shape[0]
-        if block == stride or rows == 1:
-            ranges = (ByteRange(info.file, info.start + rank * block, block * rows),)
+        if len(pieces) > 1:
+            ranges = tuple(
+                ByteRange(info.file, info.start + i * stride + s * inner, n * inner)
+                for i in range(rows)
+                for s, n in pieces
+            )
         else:
-            ranges = RowRanges(info.file, info.start + rank * block, block, stride, rows)
-    return TensorShard(info.name, info.dtype, info.shape, shape, split, ranges)
+            start, block = pieces[0][0] * inner, pieces[0][1] * inner
+            if block == stride or rows == 1:
+                ranges = (ByteRange(info.file, info.start + start, block * rows),)
+            else:
+                ranges = RowRanges(info.file, info.start + start, block, stride, rows)
+    return TensorShard(info.name, info.dtype, info.shape, shape, split, ranges, pieces)

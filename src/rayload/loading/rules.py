@@ -1,4 +1,4 @@
-"""Sharding rules: which dimension of each tensor is cut across TP ranks.
+"""Sharding rules: which dimension of each tensor is cut across TP ranks, and how.
 
 A :class:`Rule` maps a regular expression, matched against the *whole* tensor name
 (``re.fullmatch``), to a split: ``0`` (rows: column-parallel linears, vocab-parallel
@@ -6,8 +6,17 @@ embeddings), ``1`` (columns: row-parallel linears) or ``None`` (replicated on ev
 rank). Rules are tried in order and the first match wins; a tensor no rule matches is
 replicated, and the plan reports it (see :class:`rayload.loading.plan.ShardPlan`).
 
-Presets cover the Hugging Face names of the Llama family, chosen from ``config.json``
-``architectures``; users can pass a rules file (:mod:`rayload.config`).
+A rule's ``parts`` describe its split dimension as attention heads or fused components
+(see :mod:`rayload.loading.heads`): ``("q",)`` cuts in whole query heads, ``("kv",)`` in
+whole key/value heads (replicated over ``tp / kv_heads`` ranks when there are fewer KV
+heads than ranks), ``("q", "kv", "kv")`` is a fused QKV tensor whose every rank gets its
+part of q, of k and of v, concatenated, ``("even", "even")`` a fused gate/up tensor. These
+are vLLM's conventions (``QKVParallelLinear``, ``MergedColumnParallelLinear``); the
+conventions are data here, not branches on an architecture name.
+
+Presets cover the Hugging Face names of the Llama family (Llama, Mistral, Qwen2/3,
+Qwen-MoE, Mixtral, Phi-3) and GPT-2, chosen from ``config.json`` ``architectures``; users
+can pass a rules file (:mod:`rayload.config`).
 """
 
 from __future__ import annotations
@@ -17,24 +26,38 @@ import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
-from rayload.config import RulesFile, RuleSpec, SplitSpec, load_rules_file
+from rayload.config import PartSpec, RulesFile, RuleSpec, SplitSpec, load_rules_file
 from rayload.errors import ConfigError
+from rayload.loading.heads import PARTS
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Rule:
-    """Tensors whose whole name matches ``pattern`` are split on ``split`` (None: replicated)."""
+    """Tensors whose whole name matches ``pattern`` are split on ``split`` (None: replicated).
+
+    ``parts`` lay out the split dimension as heads or fused components (empty: one even
+    part); ``head_size`` overrides config.json's head dimension for ``q``/``kv`` parts.
+    """
 
     pattern: str
     split: int | None
+    parts: tuple[str, ...] = ()
+    head_size: int | None = None
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.split not in (0, 1, None) or isinstance(self.split, bool):
             raise ConfigError(f"rule {self.pattern!r}: split must be 0, 1 or None (replicate)")
+        if unknown := [p for p in self.parts if p not in PARTS]:
+            raise ConfigError(
+                f"rule {self.pattern!r}: unknown part {unknown[0]!r}; parts are {', '.join(PARTS)}"
+            )
+        if self.parts and self.split is None:
+            raise ConfigError(f"rule {self.pattern!r}: parts need a split dimension (0 or 1)")
         try:
             object.__setattr__(self, "_regex", re.compile(self.pattern))
         except re.error as exc:
@@ -47,11 +70,13 @@ class Rule:
 
     @classmethod
     def from_spec(cls, spec: RuleSpec) -> Rule:
-        return cls(spec.pattern, None if spec.split == "replicate" else spec.split)
+        split = None if spec.split == "replicate" else spec.split
+        return cls(spec.pattern, split, tuple(spec.parts or ()), spec.head_size)
 
     def to_spec(self) -> RuleSpec:
         split: SplitSpec = "replicate" if self.split is None else (0 if self.split == 0 else 1)
-        return RuleSpec(pattern=self.pattern, split=split)
+        parts = cast("list[PartSpec]", list(self.parts)) or None
+        return RuleSpec(pattern=self.pattern, split=split, parts=parts, head_size=self.head_size)
 
 
 @dataclass(frozen=True)
@@ -83,9 +108,11 @@ class RuleSet:
         return rule.split if rule else None
 
 
-def _rules(*pairs: tuple[str, int | None]) -> tuple[Rule, ...]:
-    return tuple(Rule(pattern, split) for pattern, split in pairs)
+def _rules(*rules: tuple[str, int | None] | tuple[str, int, tuple[str, ...]]) -> tuple[Rule, ...]:
+    return tuple(Rule(*rule) for rule in rules)
 
+
+_Q, _KV, _QKV, _HALVES = ("q",), ("kv",), ("q", "kv", "kv"), ("even", "even")
 
 _LAYER = r"model\.layers\.\d+\."
 _MLP = _LAYER + r"mlp\.(?:experts\.\d+\.|shared_expert\.)?"
@@ -93,9 +120,12 @@ _MLP = _LAYER + r"mlp\.(?:experts\.\d+\.|shared_expert\.)?"
 _DECODER = _rules(
     (r"model\.embed_tokens\.weight", 0),  # vocab-parallel embedding
     (r"lm_head\.weight", 0),  # vocab-parallel output projection
-    (_LAYER + r"self_attn\.[qkv]_proj\.(?:weight|bias)", 0),  # column-parallel
-    (_LAYER + r"self_attn\.o_proj\.weight", 1),  # row-parallel
+    (_LAYER + r"self_attn\.q_proj\.(?:weight|bias)", 0, _Q),  # column-parallel, whole heads
+    (_LAYER + r"self_attn\.[kv]_proj\.(?:weight|bias)", 0, _KV),
+    (_LAYER + r"self_attn\.qkv_proj\.(?:weight|bias)", 0, _QKV),  # Phi-3: fused q|k|v
+    (_LAYER + r"self_attn\.o_proj\.weight", 1, _Q),  # row-parallel, whole heads
     (_MLP + r"(?:gate|up)_proj\.weight", 0),
+    (_MLP + r"gate_up_proj\.weight", 0, _HALVES),  # Phi-3: fused gate|up
     (_MLP + r"down_proj\.weight", 1),
     (_LAYER + r"(?:input_layernorm|post_attention_layernorm)\.weight", None),
     (_LAYER + r"self_attn\.(?:q_norm|k_norm)\.weight", None),  # Qwen3 per-head norms
@@ -112,6 +142,27 @@ _MIXTRAL = _rules(
     (_LAYER + r"block_sparse_moe\.gate\.weight", None),
 )
 
+_GPT2_LAYER = r"transformer\.h\.\d+\."
+
+_GPT2 = _rules(
+    # Conv1D layout: weights are stored (in_features, out_features), so a column-parallel
+    # linear splits dim 1 and a row-parallel one dim 0: the swap of a Linear's split dims.
+    (r"transformer\.wte\.weight", 0),  # vocab-parallel (the tied output projection too)
+    (r"lm_head\.weight", 0),
+    (r"transformer\.wpe\.weight", None),
+    (_GPT2_LAYER + r"attn\.c_attn\.weight", 1, _QKV),  # fused q|k|v along out_features
+    (_GPT2_LAYER + r"attn\.c_attn\.bias", 0, _QKV),
+    (_GPT2_LAYER + r"attn\.c_proj\.weight", 0, _Q),  # row-parallel: in_features, by head
+    (_GPT2_LAYER + r"mlp\.c_fc\.weight", 1),
+    (_GPT2_LAYER + r"mlp\.c_fc\.bias", 0),
+    (_GPT2_LAYER + r"mlp\.c_proj\.weight", 0),
+    (_GPT2_LAYER + r"(?:attn|mlp)\.c_proj\.bias", None),  # added once, after the all-reduce
+    (_GPT2_LAYER + r"ln_[12]\.(?:weight|bias)", None),
+    (_GPT2_LAYER + r"attn\.(?:bias|masked_bias)", None),  # causal-mask buffers, older files
+    (r"transformer\.ln_f\.(?:weight|bias)", None),
+)
+"""GPT-2 (``GPT2LMHeadModel``), Conv1D layout."""
+
 PRESETS: dict[str, tuple[Rule, ...]] = {
     "LlamaForCausalLM": _DECODER,
     "MistralForCausalLM": _DECODER,
@@ -120,6 +171,8 @@ PRESETS: dict[str, tuple[Rule, ...]] = {
     "Qwen2MoeForCausalLM": _DECODER,
     "Qwen3MoeForCausalLM": _DECODER,
     "MixtralForCausalLM": _MIXTRAL + _DECODER,
+    "Phi3ForCausalLM": _DECODER,
+    "GPT2LMHeadModel": _GPT2,
 }
 """config.json ``architectures`` value -> preset rules."""
 

@@ -77,8 +77,7 @@ class _FastsafetensorsBase(Backend):
                 try:
                     with timer.phase("rank.to_device", device=str(device)):
                         tensors = {
-                            s.name: _take_shard(buffers.get_tensor(s.name), s, plan.rank)
-                            for s in plan.shards
+                            s.name: _take_shard(buffers.get_tensor(s.name), s) for s in plan.shards
                         }
                         synchronize(device)  # the clones run asynchronously on CUDA
                 finally:
@@ -180,8 +179,9 @@ def _frame_bytes(loader: Any, name: str) -> int:
     return int(end - start)
 
 
-def _take_shard(full: torch.Tensor, shard: TensorShard, rank: int) -> torch.Tensor:
-    """This rank's part of ``full`` as a tensor of its own.
+def _take_shard(full: torch.Tensor, shard: TensorShard) -> torch.Tensor:
+    """This rank's pieces of ``full`` (concatenated, for a fused tensor) as a tensor of its
+    own.
 
     A tensor already of the shard's shape (replicated, or a converted checkpoint's
     pre-sharded tensor) is taken whole. The clone is contiguous and owns its memory, so
@@ -196,6 +196,6 @@ def _take_shard(full: torch.Tensor, shard: TensorShard, rank: int) -> torch.Tens
                 f"{list(shard.full_shape)}; re-plan the checkpoint",
                 tensor=shard.name,
             )
-        size = shard.shape[shard.split]
-        full = full.narrow(shard.split, rank * size, size)
+        pieces = [full.narrow(shard.split, start, n) for start, n in shard.pieces]
+        return torch.cat(pieces, dim=shard.split) if len(pieces) > 1 else pieces[0].contiguous()
     return full.clone(memory_format=torch.contiguous_format)
