@@ -7,6 +7,8 @@
     │   ├── CheckpointError           a checkpoint file, header, index or manifest is wrong
     │   ├── ShardingError             a tensor cannot be split as the rules say
     │   ├── ConfigError               a user option, rules file or device request is invalid
+    │   ├── ModelMismatchError        the engine's module (``model=``) and the rank's shards
+    │   │                             disagree: a parameter, tensor or shape has no match
     │   └── MethodUnavailableError    the requested load method cannot run here and
     │                                 ``strict`` forbids falling back
     └── LoadFailedError               a load started but did not finish; the CLI exits with 1
@@ -63,6 +65,26 @@ class ShardingError(InputError):
 
 class ConfigError(InputError):
     """An option, a rules file or a device request is invalid."""
+
+
+class ModelMismatchError(InputError):
+    """The module a ``model=`` factory built does not fit the rank's shards: a parameter
+    with no tensor, a tensor with no parameter, a shape or dtype that differs, a meta buffer
+    nothing fills. ``rank``, ``parameter`` and ``tensor`` say where (None when not known).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        parameter: str | None = None,
+        tensor: str | None = None,
+    ):
+        super().__init__(message)
+        self.rank = rank
+        self.parameter = parameter
+        self.tensor = tensor
 
 
 class MethodUnavailableError(InputError):

@@ -2,14 +2,77 @@
 module it returns from the rank's shards.
 
 Ray-free: the rank actor calls these; unit tests call them directly.
+
+:func:`fill_model` puts the rank's shards into the module *without a second copy of the
+weights*:
+
+* a parameter on the ``meta`` device is replaced by ``nn.Parameter(shard)``: the same
+  storage (zero copy), so the module takes the shard's device and memory;
+* a parameter with real storage gets ``param.data.copy_(shard)`` (dtype converted by
+  ``copy_``), then the rank's tensor is pointed at the parameter so the shard is freed;
+  the module itself was a second copy until then, which is why meta is the recommended way;
+* a *stacked* parameter (``qkv_proj`` made of the checkpoint's ``q_proj``, ``k_proj``,
+  ``v_proj``; ``gate_up_proj`` of ``gate_proj``, ``up_proj``) is allocated once (or is the
+  module's own), each piece copied into its rows, and the pieces replaced by ``narrow``
+  views of it, so they are freed and ``LoadResult.shard(rank, name)`` still answers.
+
+Names follow vLLM's ``stacked_params_mapping``: the module (its class) may carry
+``stacked_params_mapping`` entries ``(param_fragment, shard_fragment, shard_id)``; a tensor
+whose name contains ``shard_fragment`` goes into the parameter named with
+``param_fragment`` instead, at its place in the dim-0 concatenation of the pieces, in the
+order the mapping lists that parameter's shard ids.
+
+Every disagreement between the module and the shards is one :class:`ModelMismatchError`
+(an :class:`~rayload.errors.InputError`: exit 2) naming the rank, the parameter or tensor
+and the shapes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from rayload.errors import ConfigError, ModelMismatchError
+from rayload.loading.report import PhaseTimer
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+MODEL_PHASE = "rank.model"
+"""The rank's whole model step: build the module, then fill it."""
+MODEL_BUILD_PHASE = "rank.model.build"
+"""``factory(context)``."""
+MODEL_FILL_PHASE = "rank.model.fill"
+""":func:`fill_model`."""
+
+ENGINE_PREFIX = "engine."
+"""Span names of the engine's own phases: ``state.phase("warmup")`` is ``engine.warmup``."""
+
+StackedMapping = Sequence[tuple[str, str, str]]
+"""``(param_fragment, shard_fragment, shard_id)`` entries, as vLLM's
+``stacked_params_mapping``, e.g. ``(".qkv_proj", ".k_proj", "k")``."""
+
+_SHOWN_PROBLEMS = 5
+
+
+def engine_phase_name(name: str) -> str:
+    """``engine.<name>``: the span name of an engine phase (``name`` kept if prefixed)."""
+    if not name or not isinstance(name, str):
+        raise ConfigError(f"an engine phase needs a non-empty name, got {name!r}")
+    return name if name.startswith(ENGINE_PREFIX) else ENGINE_PREFIX + name
+
+
+def engine_phases(timer: PhaseTimer) -> Callable[..., AbstractContextManager[dict[str, Any]]]:
+    """``phase(name, **attributes)`` recording ``engine.<name>`` into ``timer``: what
+    :attr:`ModelContext.phase` and ``RankState.phase`` are on a rank."""
+
+    def phase(name: str, **attributes: Any) -> AbstractContextManager[dict[str, Any]]:
+        return timer.phase(engine_phase_name(name), **attributes)
+
+    return phase
 
 
 @contextmanager
@@ -22,9 +85,9 @@ class ModelContext:
     """What ``factory(context)`` gets on each rank to build that rank's ``torch.nn.Module``.
 
     ``config`` is the checkpoint's ``config.json`` (empty when it has none);
-    ``process_group`` the ``torch.distributed`` group of the load's ranks (None when the
-    load was asked for none, or for tp 1 without one); ``phase(name)`` records an engine
-    phase of this rank into the load's trace (a context manager).
+    ``process_group`` the ``torch.distributed`` group of the load's ranks (the default
+    group; None when the load was asked for none, ``process_group=None``); ``phase(name)``
+    records an engine phase of this rank into the load's trace (a context manager).
     """
 
     rank: int
@@ -37,3 +100,340 @@ class ModelContext:
 
 ModelFactory = Callable[[ModelContext], Any]
 """``factory(context) -> torch.nn.Module``: builds a rank's module (meta or real device)."""
+
+
+@dataclass(frozen=True)
+class ModelFill:
+    """What :func:`fill_model` did on one rank.
+
+    ``parameters`` and ``buffers`` count the module's slots filled (tied parameters once);
+    ``stacked`` the stacked parameters assembled from pieces; ``zero_copy`` the parameters
+    and buffers that took a shard's storage; ``copied_bytes`` the bytes copied (real-device
+    parameters, stacked pieces).
+    """
+
+    parameters: int
+    buffers: int
+    stacked: int
+    zero_copy: int
+    copied_bytes: int
+
+    def attributes(self) -> dict[str, Any]:
+        """As span attributes of ``rank.model.fill``."""
+        return {
+            "model.parameters": self.parameters,
+            "model.buffers": self.buffers,
+            "model.stacked": self.stacked,
+            "model.zero_copy": self.zero_copy,
+            "model.copied_bytes": self.copied_bytes,
+        }
+
+
+def build_model(
+    factory: ModelFactory,
+    context: ModelContext,
+    tensors: MutableMapping[str, torch.Tensor],
+    *,
+    timer: PhaseTimer,
+) -> nn.Module:
+    """``factory(context)`` then :func:`fill_model`, timed as ``rank.model`` >
+    ``rank.model.build``, ``rank.model.fill``. Returns the filled module."""
+    from torch import nn
+
+    with timer.phase(MODEL_PHASE, device=context.device) as model_attrs:
+        with timer.phase(MODEL_BUILD_PHASE) as attrs:
+            module = factory(context)
+            if not isinstance(module, nn.Module):
+                raise ConfigError(
+                    f"rank {context.rank}: the model factory returned "
+                    f"{type(module).__name__}, not a torch.nn.Module"
+                )
+            attrs["model.class"] = type(module).__qualname__
+        with timer.phase(MODEL_FILL_PHASE) as attrs:
+            fill = fill_model(module, tensors, rank=context.rank)
+            attrs.update(fill.attributes())
+        model_attrs["model.class"] = type(module).__qualname__
+    return module
+
+
+@dataclass
+class _Slot:
+    """A parameter or buffer of the module: every (submodule, attribute) that holds it
+    (more than one when tied) and its first full name."""
+
+    name: str
+    tensor: torch.Tensor
+    owners: list[tuple[nn.Module, str]]
+    is_buffer: bool
+
+
+def fill_model(
+    module: nn.Module, tensors: MutableMapping[str, torch.Tensor], *, rank: int
+) -> ModelFill:
+    """Fill ``module``'s parameters and buffers from ``tensors`` (the rank's shards by
+    checkpoint name), in place, without a second copy of the weights (module docstring).
+
+    On return every entry of ``tensors`` shares storage with the module (the parameter
+    itself, or a view of a stacked one). Raises :class:`ModelMismatchError` naming
+    ``rank``, the parameter or tensor and the shapes when they disagree; nothing is
+    changed then.
+    """
+    slots = _slots(module)
+    mapping = tuple(getattr(module, "stacked_params_mapping", ()) or ())
+    direct, stacked, unmatched = _match(tensors, slots, mapping)
+    problems = _check(rank, tensors, slots, mapping, direct, stacked, unmatched)
+    if problems:
+        first, parameter, tensor = problems[0]
+        more = [p for p, _, _ in problems[1:]]
+        if more:
+            shown = "; ".join(more[:_SHOWN_PROBLEMS])
+            extra = len(more) - _SHOWN_PROBLEMS
+            first += f" (and {len(more)} more: {shown}{f'; ... {extra} more' if extra > 0 else ''})"
+        raise ModelMismatchError(first, rank=rank, parameter=parameter, tensor=tensor)
+    zero_copy = copied = 0
+    filled: set[str] = set()
+    for tensor_name, slot_name in direct.items():
+        slot = slots[slot_name]
+        if slot.name in filled:
+            tensors[tensor_name] = slot.tensor.detach()
+            continue
+        shard = tensors[tensor_name]
+        if slot.tensor.is_meta:
+            slot.tensor = _adopt(slot, shard)
+            zero_copy += 1
+        else:
+            slot.tensor.data.copy_(shard)
+            copied += shard.numel() * shard.element_size()
+        tensors[tensor_name] = slot.tensor.detach()
+        filled.add(slot.name)
+    for slot_name, pieces in stacked.items():
+        by_id = dict(pieces)
+        ordered = [by_id[shard_id] for shard_id in _piece_order(slot_name, mapping)]
+        copied += _stack(slots[slot_name], ordered, tensors)
+        filled.add(slots[slot_name].name)
+    unique = {slot.name: slot for slot in slots.values() if slot.name in filled}
+    return ModelFill(
+        parameters=sum(1 for slot in unique.values() if not slot.is_buffer),
+        buffers=sum(1 for slot in unique.values() if slot.is_buffer),
+        stacked=len(stacked),
+        zero_copy=zero_copy,
+        copied_bytes=copied,
+    )
+
+
+def _slots(module: nn.Module) -> dict[str, _Slot]:
+    """Every name a parameter or buffer answers to -> its slot (tied names share one)."""
+    by_id: dict[int, _Slot] = {}
+    names: dict[str, _Slot] = {}
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            for attr, tensor in getattr(owner, kind).items():
+                if tensor is None:
+                    continue
+                name = f"{prefix}.{attr}" if prefix else attr
+                slot = by_id.get(id(tensor))
+                if slot is None:
+                    slot = _Slot(name, tensor, [], is_buffer=kind == "_buffers")
+                    by_id[id(tensor)] = slot
+                if (owner, attr) not in [(o, a) for o, a in slot.owners]:
+                    slot.owners.append((owner, attr))
+                names.setdefault(name, slot)
+    return {name: slot for name, slot in names.items()}
+
+
+def _match(
+    tensors: Mapping[str, torch.Tensor], slots: Mapping[str, _Slot], mapping: StackedMapping
+) -> tuple[dict[str, str], dict[str, list[tuple[str, str]]], list[str]]:
+    """Which slot each tensor goes to: ``direct`` (tensor -> slot name), ``stacked``
+    (parameter -> its (shard_id, tensor) pieces) and the tensors that go nowhere."""
+    direct: dict[str, str] = {}
+    stacked: dict[str, list[tuple[str, str]]] = {}
+    unmatched: list[str] = []
+    for name in tensors:
+        if name in slots:
+            direct[name] = name
+            continue
+        for param_fragment, shard_fragment, shard_id in mapping:
+            if shard_fragment not in name:
+                continue
+            target = name.replace(shard_fragment, param_fragment)
+            if target in slots and not slots[target].is_buffer:
+                stacked.setdefault(target, []).append((shard_id, name))
+                break
+        else:
+            unmatched.append(name)
+    return direct, stacked, unmatched
+
+
+def _check(
+    rank: int,
+    tensors: Mapping[str, torch.Tensor],
+    slots: Mapping[str, _Slot],
+    mapping: StackedMapping,
+    direct: Mapping[str, str],
+    stacked: Mapping[str, list[tuple[str, str]]],
+    unmatched: Sequence[str],
+) -> list[tuple[str, str | None, str | None]]:
+    """Every disagreement as ``(message, parameter, tensor)``, in the module's order."""
+    problems: list[tuple[str, str | None, str | None]] = []
+    where = f"rank {rank}"
+    for name in unmatched:
+        problems.append(
+            (
+                f"{where}: tensor {name!r} {_shape(tensors[name])} of the rank's shards has no "
+                "parameter or buffer in the model (the module names it differently; add a "
+                "stacked_params_mapping entry if it is one piece of a stacked parameter)",
+                None,
+                name,
+            )
+        )
+    for tensor_name, slot_name in direct.items():
+        slot, shard = slots[slot_name], tensors[tensor_name]
+        kind = "buffer" if slot.is_buffer else "parameter"
+        if tuple(slot.tensor.shape) != tuple(shard.shape):
+            problems.append(
+                (
+                    f"{where}: {kind} {slot_name!r} has shape {_shape(slot.tensor)} but the "
+                    f"rank's shard {tensor_name!r} has shape {_shape(shard)} (is the module "
+                    "built for this rank's tp_size?)",
+                    slot_name,
+                    tensor_name,
+                )
+            )
+        elif slot.tensor.is_meta and slot.tensor.dtype != shard.dtype:
+            problems.append(
+                (
+                    f"{where}: meta {kind} {slot_name!r} is {_dtype(slot.tensor)} but the "
+                    f"rank's shard {tensor_name!r} is {_dtype(shard)}: a meta module takes "
+                    "the shard's storage as is; build it with the checkpoint's dtype",
+                    slot_name,
+                    tensor_name,
+                )
+            )
+    for slot_name, pieces in stacked.items():
+        problem = _check_stacked(where, slot_name, slots[slot_name], pieces, tensors, mapping)
+        if problem is not None:
+            problems.append((problem, slot_name, None))
+    filled = {slots[s].name for s in direct.values()} | {slots[s].name for s in stacked}
+    seen: set[str] = set()
+    for slot in slots.values():
+        if slot.name in filled or slot.name in seen:
+            continue
+        seen.add(slot.name)
+        if not slot.is_buffer:
+            problems.append(
+                (
+                    f"{where}: parameter {slot.name!r} {_shape(slot.tensor)} has no tensor "
+                    f"in the rank's shards ({len(tensors)} tensors; is it named differently "
+                    "in the checkpoint, or a piece of a stacked parameter the module's "
+                    "stacked_params_mapping does not list?)",
+                    slot.name,
+                    None,
+                )
+            )
+        elif slot.tensor.is_meta:
+            problems.append(
+                (
+                    f"{where}: buffer {slot.name!r} {_shape(slot.tensor)} is on the meta "
+                    "device and no tensor of the rank's shards fills it; create it on the "
+                    "rank's device (context.device) in the factory",
+                    slot.name,
+                    None,
+                )
+            )
+    return problems
+
+
+def _check_stacked(
+    where: str,
+    name: str,
+    slot: _Slot,
+    pieces: Sequence[tuple[str, str]],
+    tensors: Mapping[str, torch.Tensor],
+    mapping: StackedMapping,
+) -> str | None:
+    order = _piece_order(name, mapping)
+    got = dict(pieces)
+    if len(got) != len(pieces) or set(got) != set(order):
+        missing = [sid for sid in order if sid not in got]
+        given = ", ".join(sorted(s for s, _ in pieces))
+        return (
+            f"{where}: stacked parameter {name!r} {_shape(slot.tensor)} is made of pieces "
+            f"{', '.join(order)} but the rank's shards give {given}"
+            + (f" (missing {', '.join(missing)})" if missing else " (a piece twice)")
+        )
+    shards = [tensors[got[sid]] for sid in order]
+    described = " + ".join(f"{sid} {_shape(tensors[got[sid]])}" for sid in order)
+    dtypes = {t.dtype for t in shards}
+    if any(tuple(t.shape[1:]) != tuple(slot.tensor.shape[1:]) for t in shards) or sum(
+        t.shape[0] for t in shards
+    ) != (slot.tensor.shape[0] if slot.tensor.dim() else -1):
+        return (
+            f"{where}: stacked parameter {name!r} has shape {_shape(slot.tensor)} but its "
+            f"pieces {described} of the rank's shards do not stack to it along dim 0"
+        )
+    if len(dtypes) > 1 or (slot.tensor.is_meta and dtypes != {slot.tensor.dtype}):
+        return (
+            f"{where}: stacked parameter {name!r} is {_dtype(slot.tensor)} but its pieces "
+            f"are {', '.join(sorted(str(d).removeprefix('torch.') for d in dtypes))}; build "
+            "the module with the checkpoint's dtype"
+        )
+    return None
+
+
+def _piece_order(name: str, mapping: StackedMapping) -> list[str]:
+    """The shard ids of stacked parameter ``name`` in the order the mapping lists them."""
+    order: list[str] = []
+    for param_fragment, _, shard_id in mapping:
+        if param_fragment in name and shard_id not in order:
+            order.append(shard_id)
+    return order
+
+
+def _adopt(slot: _Slot, shard: torch.Tensor) -> torch.Tensor:
+    """Put ``shard`` itself (same storage) into every owner of a meta slot."""
+    from torch import nn
+
+    if slot.is_buffer:
+        for owner, attr in slot.owners:
+            owner._buffers[attr] = shard
+        return shard
+    param = nn.Parameter(shard, requires_grad=False)
+    for owner, attr in slot.owners:
+        owner._parameters[attr] = param
+    return param
+
+
+def _stack(slot: _Slot, pieces: Sequence[str], tensors: MutableMapping[str, torch.Tensor]) -> int:
+    """Copy the ``pieces`` (tensor names, in stacking order) into the stacked parameter
+    (allocated here when it is on meta), replacing each piece by a view of it; returns the
+    bytes copied."""
+    import torch
+    from torch import nn
+
+    first = tensors[pieces[0]]
+    if slot.tensor.is_meta:
+        storage = torch.empty(tuple(slot.tensor.shape), dtype=first.dtype, device=first.device)
+        param = nn.Parameter(storage, requires_grad=False)
+        for owner, attr in slot.owners:
+            owner._parameters[attr] = param
+        slot.tensor = param
+    target = slot.tensor.detach()
+    offset = copied = 0
+    for name in pieces:
+        piece = tensors[name]
+        rows = piece.shape[0]
+        view = target.narrow(0, offset, rows)
+        view.copy_(piece)
+        copied += piece.numel() * piece.element_size()
+        tensors[name] = view
+        offset += rows
+    return copied
+
+
+def _shape(tensor: torch.Tensor) -> str:
+    return "(" + ", ".join(str(d) for d in tensor.shape) + ")"
+
+
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
