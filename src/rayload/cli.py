@@ -1,4 +1,4 @@
-"""The ``rayload`` command.
+"""The ``rayload`` command line.
 
 Each sub-command is one ``_cmd_<name>(args) -> int`` function that parses nothing itself
 and calls the library; ``main`` turns :class:`~rayload.errors.RayloadError` into one line
@@ -9,9 +9,10 @@ under ``--debug``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import NoReturn
 
 from rayload.errors import RayloadError
@@ -148,7 +149,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from rayload.benchmark import BenchConfig, run_benchmark, write_report
 
-    quick = {"size_gb": 0.25, "preset": "tiny-llama", "repeat": 1} if args.quick else {}
+    quick = _QUICK if args.quick else {}
     chosen = {
         "size_gb": args.size_gb,
         "preset": args.preset,
@@ -178,80 +179,321 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 1 if result["consistency"] else 0
 
 
+class _Choices(Collection[str]):
+    """The valid values of an option, read from the constant of the code that checks them
+    (``module.name``) the first time argparse looks: to check a value given, or to write
+    ``--help``. ``rayload.api`` and ``rayload.placement`` import Ray, which the Ray-free
+    commands (``inspect``, ``plan``, ...) must not pay for; ``drop`` leaves values out."""
+
+    def __init__(self, module: str, name: str, *, drop: Collection[str] = ()) -> None:
+        self._module, self._name, self._drop = module, name, drop
+        self._values: tuple[str, ...] | None = None
+
+    def _loaded(self) -> tuple[str, ...]:
+        if self._values is None:
+            values = getattr(importlib.import_module(self._module), self._name)
+            self._values = tuple(str(v) for v in values if str(v) not in self._drop)
+        return self._values
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._loaded()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._loaded())
+
+    def __len__(self) -> int:
+        return len(self._loaded())
+
+
+_DEVICES = _Choices("rayload.api", "DEVICES")
+_STRATEGIES = _Choices("rayload.placement", "STRATEGIES")
+
+_QUICK = {"size_gb": 0.25, "preset": "tiny-llama", "repeat": 1}
+"""What ``rayload bench --quick`` sets (explicit options still win)."""
+
+_DESCRIPTION = """\
+Load the weights of a tensor-parallel model onto a Ray cluster, one actor per TP rank,
+each reading only its own shard of a safetensors checkpoint, and show where start-up
+time goes: one trace of every rank (Jaeger, Perfetto, HTML) and a table of metrics."""
+
+_EPILOG = """\
+common commands:
+  rayload demo                                   tiny generated model, TP=2, local Ray
+  rayload make-checkpoint /tmp/llama --preset llama-1b --size-gb 1
+  rayload inspect /tmp/llama                     files, tensors, dtypes, shapes
+  rayload plan /tmp/llama --tp 4                 bytes per rank, replicated, amplification
+  rayload load /tmp/llama --tp 4 --trace-dir traces/
+  rayload load /tmp/llama --tp 4 --method scratch --device cpu --json
+  rayload convert /tmp/llama /tmp/llama-tp4 --tp 4
+  rayload load /tmp/llama-tp4 --tp 4 --method converted
+  rayload bench --quick
+
+exit codes: 0 success; 2 bad input or arguments (one line on stderr, the traceback with
+--debug); 1 a rank failed (named with its node and the cause) or an internal error.
+Run `rayload COMMAND --help` for the options of a command."""
+
+_LOAD_EPILOG = """\
+examples:
+  rayload load /tmp/llama --tp 4 --trace-dir traces/
+  rayload load /tmp/llama --tp 2 --method fastsafetensors_gdr --device cuda --strict-method
+  rayload load /tmp/llama --tp 8 --address 10.0.0.1:6379 --placement-strategy SPREAD
+  rayload load /tmp/llama --tp 4 --otlp-endpoint http://localhost:4317 --json"""
+
+_FORMATTER = argparse.RawDescriptionHelpFormatter
+
+
+def _listed(values: Iterable[object]) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+_HF_LAYOUTS = "a directory with model.safetensors or an index and its shards"
+
+
+def _add_dir(
+    p: argparse.ArgumentParser,
+    help: str = f"checkpoint: {_HF_LAYOUTS}, or one converted by `rayload convert` (a "
+    "manifest and rank files); or one .safetensors file",
+) -> None:
+    p.add_argument("dir", help=help)
+
+
+def _add_tp(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--tp", type=int, required=True, metavar="N", help=f"tensor-parallel size: {what}"
+    )
+
+
 def _add_rules(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rules", help="sharding rules file (JSON; default: the preset of config.json)")
+    p.add_argument(
+        "--rules",
+        metavar="FILE",
+        help="JSON file of sharding rules (default: the preset for config.json's "
+        "architectures; with none, every tensor is replicated)",
+    )
+
+
+def _add_json(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--json", action="store_true", help=f"print {what} as one JSON object")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="rayload", description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    """The ``rayload`` parser: one sub-command per ``_cmd_<name>``, every option with one
+    line of help naming its choices and default (taken from the code, never retyped)."""
+    from rayload.benchmark.cases import CASES
+    from rayload.benchmark.runner import CACHES, BenchConfig
+    from rayload.loading.methods import LoadMethod
+    from rayload.loading.synthetic import _FLOAT_DTYPES, FILE_TARGET_BYTES, PRESETS
 
-    def add(name: str, func: Callable[[argparse.Namespace], int], help: str) -> _Parser:
-        p: _Parser = sub.add_parser(name, help=help, description=help)
+    bench = BenchConfig()  # its defaults, shown in bench's help
+
+    parser = _Parser(
+        prog="rayload", description=_DESCRIPTION, epilog=_EPILOG, formatter_class=_FORMATTER
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(
+        dest="command", required=True, parser_class=_Parser, title="commands"
+    )
+
+    def add(
+        name: str, func: Callable[[argparse.Namespace], int], help: str, epilog: str | None = None
+    ) -> _Parser:
+        p: _Parser = sub.add_parser(
+            name, help=help, description=help, epilog=epilog, formatter_class=_FORMATTER
+        )
         p.set_defaults(func=func)
         return p
 
     p = add("inspect", _cmd_inspect, "list a checkpoint's files, tensors, dtypes and shapes")
-    p.add_argument("dir")
-    p.add_argument("--json", action="store_true")
+    _add_dir(p)
+    _add_json(p, "the summary")
 
     p = add("plan", _cmd_plan, "show per-rank bytes, replicated bytes and read amplification")
-    p.add_argument("dir")
-    p.add_argument("--tp", type=int, required=True)
+    _add_dir(p)
+    _add_tp(p, "the number of ranks to plan for (required)")
     _add_rules(p)
-    p.add_argument("--json", action="store_true")
+    _add_json(p, "the plan")
 
     p = add("convert", _cmd_convert, "write a pre-sharded checkpoint for one tp size")
-    p.add_argument("dir")
-    p.add_argument("out")
-    p.add_argument("--tp", type=int, required=True)
+    _add_dir(p, f"the Hugging Face checkpoint to convert: {_HF_LAYOUTS}; or one .safetensors file")
+    p.add_argument("out", help="output directory: new, or empty")
+    _add_tp(p, "the number of ranks the output is sharded for (required)")
     _add_rules(p)
 
     p = add("make-checkpoint", _cmd_make_checkpoint, "write a synthetic Llama-style checkpoint")
-    p.add_argument("out")
-    p.add_argument("--preset", default="tiny-llama", choices=["tiny-llama", "llama-1b"])
-    p.add_argument("--size-gb", type=float, help="scale the layer count to about this size")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
-    p.add_argument("--files", type=int, help="number of safetensors files (default: by size)")
-    p.add_argument("--seed", type=int, default=0)
-
-    p = add("load", _cmd_load, "load a checkpoint onto Ray, one actor per TP rank")
-    p.add_argument("dir")
-    p.add_argument("--tp", type=int, required=True)
-    _add_rules(p)
-    p.add_argument("--method", default="auto")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--strict-method", action="store_true")
-    p.add_argument("--address", help="Ray cluster address (default: start a local Ray)")
+    p.add_argument("out", help="output directory: new, or one that holds no checkpoint")
     p.add_argument(
-        "--placement-strategy", default="STRICT_PACK", choices=["STRICT_PACK", "PACK", "SPREAD"]
+        "--preset",
+        default="tiny-llama",
+        choices=list(PRESETS),
+        help="model shape: %(choices)s (default: %(default)s)",
     )
-    p.add_argument("--trace-dir")
-    p.add_argument("--otlp-endpoint")
-    p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--size-gb",
+        type=float,
+        metavar="GB",
+        help="scale the layer count to about this many GB (default: the preset's layers)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="bf16",
+        choices=list(_FLOAT_DTYPES),
+        help="tensor dtype: %(choices)s (default: %(default)s)",
+    )
+    p.add_argument(
+        "--files",
+        type=int,
+        metavar="N",
+        help="number of safetensors files "
+        f"(default: one per {FILE_TARGET_BYTES >> 20} MiB, at least 2)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        metavar="N",
+        help="seed of the random values (default: %(default)s)",
+    )
+
+    p = add("load", _cmd_load, "load a checkpoint onto Ray, one actor per TP rank", _LOAD_EPILOG)
+    _add_dir(p)
+    _add_tp(p, "the number of ranks, one Ray actor each (required)")
+    _add_rules(p)
+    p.add_argument(
+        "--method",
+        default="auto",
+        help=f"load method: {_listed(m.value for m in LoadMethod)}; auto chooses per rank "
+        "from the node and the checkpoint (default: %(default)s)",
+    )
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=_DEVICES,
+        metavar="DEVICE",
+        help="where the weights go: %(choices)s; auto: the rank's GPU when Ray gave it one, "
+        "else cpu (default: %(default)s)",
+    )
+    p.add_argument(
+        "--strict-method",
+        action="store_true",
+        help="fail (exit 2) where a rank would fall back to another load method",
+    )
+    p.add_argument(
+        "--address",
+        metavar="ADDR",
+        help="Ray to join: host:port, ray://..., auto, or local for a new local Ray (default: "
+        "RAY_ADDRESS, else a `ray start` cluster on this machine, else a new local Ray)",
+    )
+    p.add_argument(
+        "--placement-strategy",
+        default="STRICT_PACK",
+        choices=_STRATEGIES,
+        metavar="STRATEGY",
+        help="placement group strategy: %(choices)s; inside a Ray Serve replica its own "
+        "group is used (default: %(default)s)",
+    )
+    p.add_argument(
+        "--trace-dir",
+        metavar="DIR",
+        help="write the trace here as OTLP JSON, Jaeger JSON, Chrome/Perfetto JSON and HTML "
+        "(default: no files)",
+    )
+    p.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        help="send the trace over OTLP: an http(s)://.../v1/traces URL over HTTP, anything "
+        "else over gRPC (default: OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT, else not sent)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="seconds the whole load may take, placement included (default: %(default)s)",
+    )
+    _add_json(p, "the result (trace_id, tp_size, startup_metrics, ranks, warnings)")
 
     p = add("demo", _cmd_demo, "load a tiny generated model with TP=2 on a local Ray")
-    p.add_argument("--trace-dir", default="rayload-demo-traces")
-    p.add_argument("--tp", type=int, default=2)
+    p.add_argument(
+        "--trace-dir",
+        default="rayload-demo-traces",
+        metavar="DIR",
+        help="where to write the trace files (default: %(default)s)",
+    )
+    p.add_argument(
+        "--tp", type=int, default=2, metavar="N", help="number of ranks (default: %(default)s)"
+    )
 
     p = add("bench", _cmd_bench, "benchmark rayload against peers and the disk limit")
-    p.add_argument("--size-gb", type=float, help="generated checkpoint size (default 1.0)")
-    p.add_argument("--tp", type=int, nargs="+", help="TP sizes (default 1 2 4)")
-    p.add_argument("--cache", nargs="+", choices=["cold", "warm"], help="default: both")
-    p.add_argument("--repeat", type=int, help="repetitions per case, medians (default 3)")
-    p.add_argument("--out", default="bench-out", help="where to write .json/.md/.png")
-    p.add_argument("--methods", nargs="+", help="cases to run (default: all this machine can)")
-    p.add_argument("--quick", action="store_true", help="0.25 GB tiny-llama, 1 repetition")
-    p.add_argument("--checkpoint", help="benchmark this checkpoint instead of a generated one")
-    p.add_argument("--workdir", help="where generated checkpoints live (/tmp/rayload-bench)")
-    p.add_argument("--preset", choices=["tiny-llama", "llama-1b"], help="default llama-1b")
-    p.add_argument("--device", choices=["cpu", "cuda"], help="where ranks load (default cpu)")
-    p.add_argument("--no-verify", action="store_true", help="skip the cross-case tensor check")
-    p.add_argument("--no-startup", action="store_true", help="skip timing whole rayload.load")
     p.add_argument(
-        "--no-split-probe", action="store_true", help="skip read amplification by tensor kind"
+        "--size-gb",
+        type=float,
+        metavar="GB",
+        help=f"generated checkpoint size in GB (default: {bench.size_gb})",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help=f"TP sizes (default: {_listed(bench.tp_sizes)})",
+    )
+    p.add_argument(
+        "--cache",
+        nargs="+",
+        choices=list(CACHES),
+        help=f"page cache before each case: %(choices)s (default: {_listed(bench.caches)})",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        metavar="N",
+        help=f"repetitions per case, tables show medians (default: {bench.repeat})",
+    )
+    p.add_argument(
+        "--out",
+        default="bench-out",
+        metavar="DIR",
+        help="where to write the .json, .md and .png report (default: %(default)s)",
+    )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        metavar="CASE",
+        help=f"cases to run: {_listed(CASES)} (default: every case this machine can run; "
+        "limit always runs)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a short run: {_listed(f'{k}={v}' for k, v in _QUICK.items())}",
+    )
+    p.add_argument(
+        "--checkpoint", metavar="DIR", help="benchmark this checkpoint instead of a generated one"
+    )
+    p.add_argument(
+        "--workdir",
+        metavar="DIR",
+        help=f"where generated checkpoints live (default: {bench.workdir})",
+    )
+    p.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        help=f"generated model shape: %(choices)s (default: {bench.preset})",
+    )
+    p.add_argument(
+        "--device",
+        choices=_Choices("rayload.api", "DEVICES", drop=("auto",)),
+        metavar="DEVICE",
+        help=f"where ranks load: %(choices)s (default: {bench.device})",
+    )
+    p.add_argument(
+        "--no-verify", action="store_true", help="skip the cross-case check of the tensors"
+    )
+    p.add_argument("--no-startup", action="store_true", help="skip timing whole rayload.load calls")
+    p.add_argument(
+        "--no-split-probe",
+        action="store_true",
+        help="skip measuring read amplification by kind of tensor",
     )
     return parser
 
