@@ -5,7 +5,13 @@ metrics and the trace id.
 One load, in order (each step a span of the startup trace)::
 
     validate input (driver)  ->  placement group  ->  spawn rank actors (parallel)
-      ->  clock offsets  ->  load every rank (parallel, one deadline)  ->  trace + metrics
+      ->  clock offsets  ->  [ranks' devices + rank 0's address, for a process group]
+      ->  load every rank (parallel, one deadline): join the process group, read the
+          shards, build and fill the model= module  ->  trace + metrics
+
+After the load, ``LoadResult.apply`` runs engine code on every rank; the engine phases it
+records (``state.phase(name)``) join the same trace, and ``LoadResult.write_trace`` writes
+it again with them.
 
 Bad input fails in the driver before any actor starts (:class:`InputError`). A rank that
 raises, dies or hangs ends the load with :class:`RankFailedError` /
@@ -29,11 +35,19 @@ import ray
 
 from rayload.actors.group import RankActorGroup
 from rayload.actors.hooks import hooks_from_env
-from rayload.actors.records import LoadRequest, RankState
-from rayload.actors.startup import ProgressCallback, load_ranks, spawn_ranks, spawn_seconds
+from rayload.actors.process_group import check_process_group
+from rayload.actors.records import Applied, LoadRequest, RankState
+from rayload.actors.startup import (
+    ProgressCallback,
+    load_ranks,
+    plan_process_group,
+    spawn_ranks,
+    spawn_seconds,
+)
 from rayload.errors import CheckpointError, ConfigError, RankFailedError
 from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.methods import LoadMethod
+from rayload.loading.model import ModelContext, ModelFactory
 from rayload.loading.plan import ShardPlan, plan_shards
 from rayload.loading.report import RankReport
 from rayload.loading.rules import resolve_rules
@@ -56,16 +70,22 @@ DEVICES = ("auto", "cpu", "cuda")
 
 OTLP_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 5.0
+SHUTDOWN_TIMEOUT_S = 5.0
+"""How long ``close()`` lets each rank destroy its process group before killing it."""
 
 
 @dataclass(eq=False)
 class LoadResult:
     """The weights of every rank, resident in their actors, and what the load cost.
 
-    A context manager: leaving it (or :meth:`close`) stops the actors, removes the
-    placement group rayload created, and shuts Ray down if :func:`load` started it.
-    ``placement`` says where the ranks run (group, bundles, strategy, node per rank);
-    ``warnings`` lists what the ranks disagreed on (methods, devices, fallbacks).
+    A context manager: leaving it (or :meth:`close`) destroys the ranks' process group,
+    stops the actors, removes the placement group rayload created, and shuts Ray down if
+    :func:`load` started it. ``placement`` says where the ranks run (group, bundles,
+    strategy, node per rank); ``warnings`` lists what the ranks disagreed on (methods,
+    devices, fallbacks). ``trace`` is the load's :class:`~rayload.tracing.StartupTrace`,
+    to which :meth:`apply` adds the engine phases; :meth:`write_trace` writes it again.
+    ``process_group`` is the backend the ranks' ``torch.distributed`` group uses (None
+    when the load made none).
     """
 
     trace_id: str
@@ -76,8 +96,11 @@ class LoadResult:
     placement: RankPlacement
     warnings: list[str] = field(default_factory=list)
     trace_files: dict[str, str] = field(default_factory=dict)
+    trace: StartupTrace | None = field(default=None, repr=False)
+    process_group: str | None = None
     _group: RankActorGroup | None = field(default=None, repr=False)
     _started_ray: bool = field(default=False, repr=False)
+    _outputs: _TraceOutputs | None = field(default=None, repr=False)
 
     @property
     def tp_size(self) -> int:
@@ -92,16 +115,52 @@ class LoadResult:
 
     def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``fn(state, *args, **kwargs)`` on every rank, in parallel, where ``state`` is
-        that rank's :class:`~rayload.actors.records.RankState` (its resident tensors, rank,
-        device); return the results in rank order. This is how an engine builds its model
-        from the loaded weights without moving them."""
+        that rank's :class:`~rayload.actors.records.RankState` (its resident tensors, the
+        ``model=`` module, the process group, rank, device); return the results in rank
+        order. This is how an engine builds on the loaded weights without moving them.
+
+        ``with state.phase("warmup"):`` inside ``fn`` records ``engine.warmup`` for that
+        rank; the phases come back with the results and join :attr:`trace` (clock-corrected
+        like the load's rank spans). :meth:`write_trace` writes them out.
+        """
         self._check_open()
-        refs = [actor.apply.remote(fn, *args, **kwargs) for actor in self.actors]
-        return [self._call(rank, ref) for rank, ref in enumerate(refs)]
+        refs = [actor.apply_traced.remote(fn, *args, **kwargs) for actor in self.actors]
+        results = []
+        for rank, ref in enumerate(refs):
+            applied: Applied = self._call(rank, ref)
+            self._add_engine_spans(rank, applied.spans)
+            results.append(applied.value)
+        return results
+
+    def write_trace(self, trace_dir: str | os.PathLike[str] | None = None) -> dict[str, str]:
+        """Write the trace again, now with the engine phases, to ``trace_dir`` (default: the
+        load's ``trace_dir``) and export it over OTLP as the load did; returns the files
+        (format -> path), also kept in :attr:`trace_files` when they replace the load's.
+
+        Phases recorded by an ``apply`` that raised are fetched from the ranks first. The
+        root span ``rayload.load`` keeps the load's end: engine phases are its children
+        and may end after it; the startup metrics are the load's, unchanged.
+        """
+        if self.trace is None or self._outputs is None:
+            raise RuntimeError("this LoadResult has no startup trace to write")
+        if self._group is not None:
+            refs = [actor.engine_spans.remote() for actor in self.actors]
+            for rank, ref in enumerate(refs):
+                self._add_engine_spans(rank, self._call(rank, ref))
+        outputs = self._outputs
+        if trace_dir is not None:
+            outputs = _TraceOutputs(trace_dir, outputs.otlp_endpoint)
+            outputs.prepare()
+        files = outputs.write(self.trace.spans())
+        if trace_dir is None:
+            self.trace_files = files
+        return files
 
     def close(self) -> None:
-        """Stop the actors and release the placement group (and Ray, if load started it).
-        Idempotent."""
+        """Destroy the ranks' process group (best effort, a few seconds at most), stop the
+        actors and release the placement group (and Ray, if load started it). Idempotent."""
+        if self._group is not None and self.process_group is not None:
+            self._group.shutdown(timeout_s=SHUTDOWN_TIMEOUT_S)
         _release(self._group, self.placement, self._started_ray)
         self._group, self._started_ray = None, False
         self.actors = []
@@ -122,6 +181,11 @@ class LoadResult:
             raise RuntimeError(
                 f"load {self.trace_id} is closed: its rank actors and weights are gone"
             )
+
+    def _add_engine_spans(self, rank: int, payload: bytes | None) -> None:
+        if payload is None or self.trace is None or self._group is None:
+            return
+        self.trace.add_engine(payload, *self._group.clock_offsets.get(rank, (0, None)))
 
     def _call(self, rank: int, ref: ray.ObjectRef) -> Any:
         try:
@@ -152,6 +216,8 @@ def load(
     rules: Any = None,
     model_role: str = "main",
     progress: ProgressCallback | None = None,
+    process_group: str | None = "auto",
+    model: ModelFactory | None = None,
 ) -> LoadResult:
     """Load the checkpoint at ``path`` onto Ray with ``tp_size`` ranks, one actor each.
 
@@ -162,11 +228,25 @@ def load(
     ``timeout`` (seconds) bounds the whole load, placement included. ``trace_dir`` gets the
     trace files and ``otlp_endpoint`` the spans, whether the load succeeds or fails.
 
+    ``process_group`` (``auto``, ``gloo``, ``nccl`` or None) makes the ranks one
+    ``torch.distributed`` group before they load (span ``rank.process_group``): ``auto``
+    is ``nccl`` when every rank's device is CUDA, else ``gloo``; None makes none.
+    ``model``, a ``factory(context: ModelContext) -> torch.nn.Module``, builds each rank's
+    module (best on the meta device) once its shards are loaded; rayload fills it in place
+    from the shards (:func:`rayload.loading.model.fill_model`, span ``rank.model``) and
+    hands it to :meth:`LoadResult.apply` functions as ``state.model``.
+
     Raises :class:`~rayload.errors.InputError` (bad input, before any actor starts),
     :class:`~rayload.errors.RankFailedError` or :class:`~rayload.errors.RankTimeoutError`.
     """
     start_ns = time.time_ns()
     source = _validate(path, tp_size, method, device, placement_strategy, timeout, model_role)
+    check_process_group(process_group, device)
+    if model is not None and not callable(model):
+        raise ConfigError(
+            f"model must be a factory(context: ModelContext) -> torch.nn.Module, got "
+            f"{type(model).__name__}"
+        )
     checkpoint = open_checkpoint(source)
     if isinstance(rules, str | os.PathLike):
         # Read a rules file once, here: the ranks' nodes may not see the driver's files.
@@ -192,6 +272,9 @@ def load(
         group = RankActorGroup(placement, want_gpu=device != "cpu", hooks=hooks)
         spawn_ranks(trace, group, deadline=deadline, timeout=timeout)
         _notify(progress, LoadProgress("spawned", tp_size))
+        group_spec = plan_process_group(
+            trace, group, process_group, device, deadline=deadline, timeout=timeout
+        )
         request = LoadRequest(
             path=source,
             tp_size=tp_size,
@@ -201,6 +284,9 @@ def load(
             strict=strict,
             rules=rules,
             model_role=model_role,
+            process_group=group_spec,
+            model=model,
+            model_config=dict(checkpoint.config or {}) if model is not None else None,
         )
         ranks = load_ranks(
             trace, group, request, deadline=deadline, timeout=timeout, progress=progress
@@ -229,8 +315,11 @@ def load(
         warnings=warnings,
         trace_files=files,
         placement=placement,
+        trace=trace,
+        process_group=None if group_spec is None else group_spec.backend,
         _group=group,
         _started_ray=started_ray,
+        _outputs=outputs,
     )
 
 
@@ -378,4 +467,4 @@ def _notify(progress: ProgressCallback | None, event: LoadProgress) -> None:
         progress(event)
 
 
-__all__ = ["LoadResult", "RankState", "load"]
+__all__ = ["LoadResult", "ModelContext", "RankState", "load"]

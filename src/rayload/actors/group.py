@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError, RayError
 
 from rayload.actors.hooks import TestHooks
 from rayload.actors.rank_actor import RankActor
-from rayload.actors.records import ActorInfo, LoadRequest, RankOutcome
+from rayload.actors.records import ActorInfo, LoadRequest, RankOutcome, RankSetup
 from rayload.errors import InputError, RankFailedError, RankTimeoutError, RayloadError
 from rayload.placement import RankPlacement
 from rayload.tracing.clock import ClockSample, best_clock_offset
@@ -137,6 +137,29 @@ class RankActorGroup:
         self.clock_offsets = {rank: best_clock_offset(s) for rank, s in samples.items()}
         return None
 
+    def setup(
+        self, device: str, *, deadline: float
+    ) -> tuple[dict[int, RankSetup], RankFailure | None]:
+        """Ask every rank for its resolved device (and rank 0 for a rendezvous address),
+        in parallel: what a process group needs before the load."""
+        setups: dict[int, RankSetup] = {}
+        waiting = {actor.setup.remote(device): rank for rank, actor in enumerate(self.actors)}
+
+        def on_setup(rank: int, setup: RankSetup) -> RankFailure | None:
+            if setup.error is not None:
+                return RankFailure(
+                    rank=rank,
+                    node_id=self.node_id(rank),
+                    kind="raised",
+                    cause=setup.error.describe(),
+                    input_error=setup.error.input_error,
+                )
+            setups[rank] = setup
+            return None
+
+        failure = self._gather(waiting, deadline, "resolve its device", on_setup)
+        return setups, failure
+
     def spawn_interval(self, rank: int) -> tuple[int, int]:
         """``(start_ns, end_ns)`` of rank ``rank``'s spawn on the driver's clock: from the
         driver's spawn call to the end of the actor's ``__init__`` (clock-corrected, kept
@@ -183,6 +206,21 @@ class RankActorGroup:
             dispatch_ns=dispatch_ns,
             end_ns=time.time_ns(),
         )
+
+    def shutdown(self, *, timeout_s: float) -> None:
+        """Ask every rank to leave its process group (each waits at most ``timeout_s``);
+        best effort, before :meth:`kill` (a rank that is gone or slow is killed anyway)."""
+        refs = [actor.shutdown.remote(timeout_s) for actor in self.actors]
+        if not refs:
+            return
+        ready, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s + 1.0)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayError as exc:
+                log.warning("a rank failed to leave its process group: %s", _first_line(str(exc)))
+        if late:
+            log.warning("%d rank(s) did not leave their process group in time", len(late))
 
     def kill(self) -> None:
         """Stop every rank actor (their tensors go with them). Idempotent."""

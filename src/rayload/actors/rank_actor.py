@@ -23,11 +23,22 @@ import ray
 
 from rayload.actors.device import resolve_device
 from rayload.actors.hooks import INIT_PHASE, FaultInjection, FaultyTimer
-from rayload.actors.records import ActorInfo, LoadRequest, RankError, RankOutcome, RankState
+from rayload.actors.process_group import free_port, join_process_group, leave_process_group
+from rayload.actors.records import (
+    ActorInfo,
+    Applied,
+    LoadRequest,
+    RankError,
+    RankOutcome,
+    RankSetup,
+    RankState,
+)
 from rayload.loading import load_rank
+from rayload.loading.model import ModelContext, build_model, engine_phases
 from rayload.loading.probe import EnvProbe, probe_environment
+from rayload.loading.rank import PostLoad
 from rayload.loading.report import PhaseTimer, RankReport
-from rayload.tracing.record import rank_spans_payload, report_attributes
+from rayload.tracing.record import engine_spans_payload, rank_spans_payload, report_attributes
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +69,10 @@ class RankActor:
         self._fault = fault
         self._tensors: dict[str, Any] = {}
         self._report: RankReport | None = None
+        self._request: LoadRequest | None = None
+        self._model: Any = None
+        self._process_group: Any = None
+        self._engine_timer = PhaseTimer(clock=self.clock)
         self._host_name = socket.gethostname()
         context = ray.get_runtime_context()
         self._node_id = context.get_node_id()
@@ -86,20 +101,38 @@ class RankActor:
     def ready(self) -> ActorInfo:
         return self._info
 
+    def setup(self, device: str) -> RankSetup:
+        """Before a load with a process group: this rank's resolved device and, on rank 0,
+        where the group meets (this node's IP and a port free a moment ago). Never raises:
+        a device this rank cannot have comes back as ``error``."""
+        try:
+            resolved = self._device(device)
+        except Exception as exc:
+            return RankSetup(rank=self._rank, error=RankError.from_exception(exc))
+        if self._rank != 0:
+            return RankSetup(rank=self._rank, device=resolved)
+        return RankSetup(
+            rank=self._rank,
+            device=resolved,
+            node_ip=ray.util.get_node_ip_address(),
+            port=free_port(),
+        )
+
     def load(self, request: LoadRequest) -> RankOutcome:
-        """Load this rank's shard and keep it resident. Never raises for a failed load: the
-        outcome carries the error and the spans recorded up to it."""
+        """Join the load's process group (when asked), load this rank's shard and keep it
+        resident, then build and fill the engine's module (when asked). Never raises for a
+        failed load: the outcome carries the error and the spans recorded up to it."""
         timer = self._timer()
         start_ns = self.clock()
         report: RankReport | None = None
         error: RankError | None = None
+        self._request = request
         try:
-            device = resolve_device(
-                request.device,
-                gpu_ids=self._info.gpu_ids,
-                cuda_device_count=_cuda_device_count(),
-                rank=self._rank,
-            )
+            device = self._device(request.device)
+            if request.process_group is not None:
+                self._process_group = join_process_group(
+                    request.process_group, rank=self._rank, device=device, timer=timer
+                )
             self._tensors, report = load_rank(
                 request.path,
                 self._rank,
@@ -111,17 +144,19 @@ class RankActor:
                 model_role=request.model_role,
                 probe=self._probe(),
                 timer=timer,
+                post_load=self._model_builder(request, device, timer),
             )
             report = _with_node(report, self._node_id)
             self._report = report
         except Exception as exc:
             log.exception("rank %d failed to load %s", self._rank, request.path)
             error = RankError.from_exception(exc)
-            self._tensors = {}
+            self._tensors, self._model = {}, None
         end_ns = self.clock()
         if report is not None:
             attributes = report_attributes(report)
-            start_ns, end_ns = report.start_ns, report.end_ns
+            # rank.load also covers joining the process group, before the report starts.
+            start_ns, end_ns = min(start_ns, report.start_ns), report.end_ns
         else:
             attributes = {"node_id": self._node_id, "model_role": request.model_role}
         spans = rank_spans_payload(
@@ -145,6 +180,14 @@ class RankActor:
             error=error,
         )
 
+    def shutdown(self, timeout_s: float) -> bool:
+        """Leave the load's process group (best effort, at most ``timeout_s``) and drop the
+        model; the driver kills the actor next. True when a group was destroyed."""
+        self._model = None
+        destroyed = leave_process_group(timeout_s) if self._process_group is not None else False
+        self._process_group = None
+        return destroyed
+
     def shard(self, name: str) -> Any:
         """A CPU copy of this rank's tensor ``name``."""
         if name not in self._tensors:
@@ -157,7 +200,8 @@ class RankActor:
         return list(self._tensors)
 
     def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(RankState, *args, **kwargs)`` on this rank's resident weights."""
+        """``fn(RankState, *args, **kwargs)`` on this rank's resident weights. Engine phases
+        ``fn`` records wait here until :meth:`engine_spans` (or :meth:`apply_traced`)."""
         if self._report is None:
             raise RuntimeError(f"rank {self._rank} has not loaded weights yet")
         state = RankState(
@@ -166,8 +210,64 @@ class RankActor:
             device=self._report.device,
             tensors=self._tensors,
             report=self._report,
+            model=self._model,
+            process_group=self._process_group,
+            phase=engine_phases(self._engine_timer),
         )
         return fn(state, *args, **kwargs)
+
+    def apply_traced(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Applied:
+        """:meth:`apply`, returning its value with the engine phases recorded so far."""
+        value = self.apply(fn, *args, **kwargs)
+        return Applied(value=value, spans=self.engine_spans())
+
+    def engine_spans(self) -> bytes | None:
+        """The engine phases recorded since the last call, as OTLP bytes (children of the
+        load's root span, on this actor's clock); None when there are none."""
+        records, self._engine_timer.records = self._engine_timer.records, []
+        if not records or self._request is None or self._report is None:
+            return None
+        return engine_spans_payload(
+            traceparent=self._request.traceparent,
+            rank=self._rank,
+            tp_size=self._report.tp_size,
+            phases=records,
+            attributes={
+                "node_id": self._node_id,
+                "device": self._report.device,
+                "model_role": self._report.model_role,
+            },
+            host_name=self._host_name,
+        )
+
+    def _device(self, requested: str) -> str:
+        return resolve_device(
+            requested,
+            gpu_ids=self._info.gpu_ids,
+            cuda_device_count=_cuda_device_count(),
+            rank=self._rank,
+        )
+
+    def _model_builder(
+        self, request: LoadRequest, device: str, timer: PhaseTimer
+    ) -> PostLoad | None:
+        """The post-load step that builds and fills the ``model=`` factory's module."""
+        factory = request.model
+        if factory is None:
+            return None
+        context = ModelContext(
+            rank=self._rank,
+            tp_size=request.tp_size,
+            device=device,
+            config=dict(request.model_config or {}),
+            process_group=self._process_group,
+            phase=engine_phases(timer),
+        )
+
+        def build(tensors: dict[str, Any]) -> None:
+            self._model = build_model(factory, context, tensors, timer=timer)
+
+        return build
 
     def _timer(self) -> PhaseTimer:
         if self._fault is not None and self._fault.rank == self._rank:

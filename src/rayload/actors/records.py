@@ -9,10 +9,13 @@ would not reach the user).
 from __future__ import annotations
 
 import traceback
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+from rayload.actors.process_group import ProcessGroupSpec
 from rayload.errors import InputError
+from rayload.loading.model import ModelFactory, no_phase
 from rayload.loading.report import RankReport
 
 
@@ -28,6 +31,9 @@ class LoadRequest:
     strict: bool = False
     rules: Any = None
     model_role: str = "main"
+    process_group: ProcessGroupSpec | None = None
+    model: ModelFactory | None = None
+    model_config: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,19 @@ class ActorInfo:
     init_start_ns: int
     init_end_ns: int
     process_start_ns: int | None
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """A rank's answer before the load, when the load has a process group: its resolved
+    torch device and, from rank 0, where the group meets (node IP and a free port).
+    ``error`` is set instead when the rank cannot resolve its device."""
+
+    rank: int
+    device: str | None = None
+    node_ip: str | None = None
+    port: int | None = None
+    error: RankError | None = None
 
 
 @dataclass(frozen=True)
@@ -95,10 +114,28 @@ class RankOutcome:
 @dataclass(frozen=True)
 class RankState:
     """What a function passed to ``LoadResult.apply`` receives on each rank: the rank's
-    resident tensors and where they live. ``tensors`` is the live dict, not a copy."""
+    resident tensors and where they live. ``tensors`` is the live dict, not a copy.
+
+    ``model`` is the module the load's ``model=`` factory built and filled (None without
+    one); ``process_group`` the load's ``torch.distributed`` group (None without one);
+    ``with state.phase("warmup"):`` records the engine phase ``engine.warmup`` of this rank
+    into the load's trace (see ``LoadResult.write_trace``).
+    """
 
     rank: int
     tp_size: int
     device: str
     tensors: dict[str, Any]
     report: RankReport
+    model: Any = None
+    process_group: Any = None
+    phase: Callable[..., Any] = field(default=no_phase, repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What a rank's ``apply_traced`` returns: ``fn``'s ``value`` and the engine phases
+    recorded since they were last sent, as OTLP bytes (None when there were none)."""
+
+    value: Any
+    spans: bytes | None = None

@@ -14,6 +14,12 @@ from collections.abc import Callable, Collection
 from typing import Any, NoReturn
 
 from rayload.actors.group import RankActorGroup, RankFailure, failure_error
+from rayload.actors.process_group import (
+    ProcessGroupSpec,
+    init_method,
+    rendezvous_host,
+    resolve_backend,
+)
 from rayload.actors.records import LoadRequest, RankOutcome
 from rayload.loading.report import RankReport
 from rayload.progress import LoadProgress
@@ -33,6 +39,37 @@ def spawn_ranks(
     _record_spawns(trace, group)
     if failure is not None:
         _fail(trace, group, failure, answered=(), since_ns=since_ns, timeout=timeout)
+
+
+def plan_process_group(
+    trace: StartupTrace,
+    group: RankActorGroup,
+    requested: str | None,
+    device: str,
+    *,
+    deadline: float,
+    timeout: float,
+) -> ProcessGroupSpec | None:
+    """The process group the ranks join at the start of their load (None: none asked):
+    one backend for all from the ranks' resolved devices, rank 0's address (loopback when
+    every rank is on one node), an init timeout bounded by what is left of ``deadline``."""
+    if requested is None:
+        return None
+    since_ns = time.time_ns()
+    setups, failure = group.setup(device, deadline=deadline)
+    if failure is not None:
+        _fail(trace, group, failure, answered=(), since_ns=since_ns, timeout=timeout)
+    backend = resolve_backend(requested, {rank: s.device or "cpu" for rank, s in setups.items()})
+    node_ips = {rank: s.node_ip for rank, s in setups.items() if s.node_ip is not None}
+    node_ids = {rank: group.node_id(rank) for rank in range(group.tp_size)}
+    port = setups[0].port
+    assert port is not None, "rank 0 answers with a port"
+    return ProcessGroupSpec(
+        backend=backend,
+        init_method=init_method(rendezvous_host(node_ips, node_ids), port),
+        world_size=group.tp_size,
+        timeout_s=deadline - time.monotonic(),
+    )
 
 
 def load_ranks(

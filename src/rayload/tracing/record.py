@@ -57,21 +57,7 @@ def rank_spans_payload(
     silently started a new trace would be lost from the startup trace.
     """
     parent = parse_traceparent(traceparent)
-    resource = Resource.create(
-        {
-            "service.name": schema.RANK_SERVICE,
-            "host.name": host_name or socket.gethostname(),
-            schema.RANK: rank,
-        }
-    )
-    provider = TracerProvider(
-        resource=resource,
-        id_generator=SecureIdGenerator(),
-        sampler=ALWAYS_ON,
-        shutdown_on_exit=False,
-    )
-    finished = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(finished))
+    provider, finished = _rank_provider(rank, host_name)
     try:
         tracer = provider.get_tracer(schema.SCOPE_NAME)
         rank_error = error or next((p.error for p in phases if p.error), None)
@@ -100,6 +86,64 @@ def rank_spans_payload(
     finally:
         provider.shutdown()
     return encode_spans(spans).SerializeToString()
+
+
+def engine_spans_payload(
+    *,
+    traceparent: str,
+    rank: int,
+    tp_size: int,
+    phases: Sequence[PhaseRecord],
+    attributes: Mapping[str, Any],
+    host_name: str | None = None,
+) -> bytes:
+    """A rank's engine phases (``engine.<name>``, recorded after its load, e.g. in
+    ``LoadResult.apply``) as OTLP protobuf bytes: each a child of the span ``traceparent``
+    names (the load's root), with the rank's resource and ``attributes`` (node, device).
+    Times are this process's wall clock, as for :func:`rank_spans_payload`."""
+    parent = parse_traceparent(traceparent)
+    provider, finished = _rank_provider(rank, host_name)
+    try:
+        tracer = provider.get_tracer(schema.SCOPE_NAME)
+        for phase in phases:
+            record_span(
+                tracer,
+                phase.name,
+                parent=parent,
+                start_ns=phase.start_ns,
+                end_ns=phase.end_ns,
+                attributes={
+                    **dict(attributes),
+                    "rank": rank,
+                    "tp_size": tp_size,
+                    **phase.attributes,
+                },
+                error=phase.error,
+            )
+        spans: tuple[ReadableSpan, ...] = finished.get_finished_spans()
+    finally:
+        provider.shutdown()
+    return encode_spans(spans).SerializeToString()
+
+
+def _rank_provider(rank: int, host_name: str | None) -> tuple[TracerProvider, InMemorySpanExporter]:
+    """A short-lived provider with the rank's resource, collecting spans in memory."""
+    resource = Resource.create(
+        {
+            "service.name": schema.RANK_SERVICE,
+            "host.name": host_name or socket.gethostname(),
+            schema.RANK: rank,
+        }
+    )
+    provider = TracerProvider(
+        resource=resource,
+        id_generator=SecureIdGenerator(),
+        sampler=ALWAYS_ON,
+        shutdown_on_exit=False,
+    )
+    finished = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(finished))
+    return provider, finished
 
 
 def report_attributes(report: RankReport) -> dict[str, Any]:

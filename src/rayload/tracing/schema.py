@@ -7,13 +7,19 @@ Span tree::
     ├── rayload.connect           driver: ray.init (start a local Ray or join a cluster)
     ├── rayload.placement         driver: placement group created and ready
     ├── rayload.spawn             driver, one per rank: actor process launch to ready
-    └── rank.load                 rank process, one per rank
-        ├── rank.resolve          ... one child per timed phase (loading.report.PHASES)
-        ├── rank.plan
-        ├── rank.read
-        ├── rank.to_device
-        ├── rank.sync
-        └── rank.post_load
+    ├── rank.load                 rank process, one per rank
+    │   ├── rank.process_group    joining the load's torch.distributed group (when asked)
+    │   ├── rank.resolve          ... one child per timed phase (loading.report.PHASES)
+    │   ├── rank.plan
+    │   ├── rank.read
+    │   ├── rank.to_device
+    │   ├── rank.sync
+    │   ├── rank.post_load
+    │   ├── rank.model            within rank.post_load: the model= factory's module
+    │   ├── rank.model.build      ... built (engine.<name> phases of the factory here too)
+    │   └── rank.model.fill       ... and filled from the shards
+    └── engine.<name>             rank process: an engine phase after the load
+                                  (state.phase(name) in LoadResult.apply)
 
 Every attribute rayload sets is prefixed ``rayload.`` (``rayload.rank``,
 ``rayload.method.effective``, ...); resources carry ``service.name`` and ``host.name``.
@@ -29,6 +35,7 @@ from typing import Any
 
 from opentelemetry.util.types import AttributeValue
 
+from rayload.loading.model import ENGINE_PREFIX, MODEL_BUILD_PHASE, MODEL_FILL_PHASE, MODEL_PHASE
 from rayload.loading.report import PHASES
 
 ROOT_SPAN = "rayload.load"
@@ -38,6 +45,9 @@ PLACEMENT_SPAN = "rayload.placement"
 SPAWN_SPAN = "rayload.spawn"
 RANK_SPAN = "rank.load"
 RANK_PHASES: tuple[str, ...] = PHASES
+PROCESS_GROUP_SPAN = "rank.process_group"
+MODEL_SPANS = (MODEL_PHASE, MODEL_BUILD_PHASE, MODEL_FILL_PHASE)
+ENGINE_SPAN_PREFIX = ENGINE_PREFIX
 
 DRIVER_SERVICE = "rayload"
 RANK_SERVICE = "rayload-rank"

@@ -39,7 +39,9 @@ class StartupTrace:
 
     Invariants: every span :meth:`finish` returns has :attr:`trace_id`; driver spans are
     children of the root; a rank's ``rank.load`` is a child of the root (through
-    :meth:`traceparent`) and its phases children of ``rank.load``.
+    :meth:`traceparent`) and its phases children of ``rank.load``; a rank's engine phases
+    after the load (:meth:`add_engine`) are children of the root, which still ends where
+    the load ended.
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class StartupTrace:
         )
         self._root_context = trace_api.set_span_in_context(self._root)
         self._rank_spans: list[tuple[int, ReadableSpan]] = []
+        self._engine_spans: list[tuple[int, ReadableSpan]] = []
         self._finished: list[ReadableSpan] | None = None
 
     @property
@@ -120,23 +123,15 @@ class StartupTrace:
         warning: telemetry never fails a load.
         """
         self._check_open()
-        try:
-            spans = decode_spans(payload)
-        except DecodeError as exc:
-            logger.warning("a rank's trace payload (%d bytes) is not OTLP: %s", len(payload), exc)
-            return
-        own_trace = self._root.get_span_context().trace_id
-        for span in spans:
-            if span.context is None or span.context.trace_id != own_trace:
-                logger.warning(
-                    "dropping span %r of trace %032x from a rank: this startup trace is %s "
-                    "(was the rank given this trace's traceparent?)",
-                    span.name,
-                    0 if span.context is None else span.context.trace_id,
-                    self.trace_id,
-                )
-                continue
-            self._rank_spans.append((_rank_of(span), corrected(span, clock_offset_ns, rtt_ns)))
+        self._rank_spans.extend(self._merged(payload, clock_offset_ns, rtt_ns))
+
+    def add_engine(self, payload: bytes, clock_offset_ns: int, rtt_ns: int | None = None) -> None:
+        """Merge a rank's engine phases (``engine.<name>`` spans, children of the root),
+        with the same clock correction as :meth:`add_rank`. Unlike the other ``add_``
+        methods this works after :meth:`finish`: engine phases run after the load
+        returned; :meth:`spans` includes them, the root keeps its end (the load's)."""
+        merged = self._merged(payload, clock_offset_ns, rtt_ns)
+        (self._rank_spans if self._finished is None else self._engine_spans).extend(merged)
 
     def add_missing_rank(
         self, rank: int, node_id: str | None, error: str, start_ns: int, end_ns: int
@@ -155,6 +150,14 @@ class StartupTrace:
             host_name=_UNKNOWN_HOST,
         )
         self._rank_spans.extend((rank, span) for span in decode_spans(payload))
+
+    def spans(self) -> list[ReadableSpan]:
+        """Every span of the trace once :meth:`finish` ran: what it returned, then the
+        engine phases merged since, by rank and time. Before ``finish``: RuntimeError."""
+        if self._finished is None:
+            raise RuntimeError(f"startup trace {self.trace_id} is not finished yet")
+        late = [span for _, span in sorted(self._engine_spans, key=_rank_order)]
+        return [*self._finished, *late]
 
     def finish(self, error: str | None = None) -> list[ReadableSpan]:
         """End the root (status ERROR with ``error`` when given) and return every span:
@@ -176,6 +179,30 @@ class StartupTrace:
         self._provider.shutdown()
         self._finished = [*driver, *ranks]
         return self._finished
+
+    def _merged(
+        self, payload: bytes, clock_offset_ns: int, rtt_ns: int | None
+    ) -> list[tuple[int, ReadableSpan]]:
+        """A rank's payload decoded, its spans of this trace moved onto the driver's clock."""
+        try:
+            spans = decode_spans(payload)
+        except DecodeError as exc:
+            logger.warning("a rank's trace payload (%d bytes) is not OTLP: %s", len(payload), exc)
+            return []
+        own_trace = self._root.get_span_context().trace_id
+        merged = []
+        for span in spans:
+            if span.context is None or span.context.trace_id != own_trace:
+                logger.warning(
+                    "dropping span %r of trace %032x from a rank: this startup trace is %s "
+                    "(was the rank given this trace's traceparent?)",
+                    span.name,
+                    0 if span.context is None else span.context.trace_id,
+                    self.trace_id,
+                )
+                continue
+            merged.append((_rank_of(span), corrected(span, clock_offset_ns, rtt_ns)))
+        return merged
 
     def _check_open(self) -> None:
         if self._finished is not None:
