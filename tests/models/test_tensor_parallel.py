@@ -1,0 +1,34 @@
+"""The headline check: tp 2 and 4 real rank processes (gloo), each holding only its shards,
+produce transformers' logits, and the same full-vocab logits on every rank.
+
+tp 4 on ``llama_gqa``, ``qwen2`` and ``phi3`` (2 kv heads) is the case where each kv head
+is replicated over two ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from models.tp_processes import Job, RankPool
+from support.transformers_models import FAMILIES, Reference
+
+TOLERANCE = 1e-4
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_rank_processes_match_transformers(
+    family: str,
+    tp: int,
+    reference: Callable[[str], Reference],
+    rank_pool: Callable[[int], RankPool],
+) -> None:
+    ref = reference(family)
+    logits = rank_pool(tp).run(Job(str(ref.path), ref.input_ids))
+    assert (logits[0] - ref.logits).abs().max().item() <= TOLERANCE
+    for rank_logits in logits[1:]:
+        assert rank_logits.equal(logits[0])
