@@ -1,6 +1,7 @@
 """The reference models in one process: transformers' logits at tp 1 for every family, the
-parameter contract (names, shard shapes, meta construction) at every tp, and clear errors
-for what they do not implement."""
+parameter contract (names and shard shapes that rayload's shards fill exactly, meta
+construction) at every rank of tp 2 and 4, and clear errors for what they do not implement.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from models.shards import convention_shards, fill, read_config, stack_shards
+from models.tp_processes import rank_logits
 from rayload.errors import ConfigError
-from rayload.loading.model import ModelContext
+from rayload.loading import load_rank, open_checkpoint
+from rayload.loading.model import ModelContext, fill_model
 from rayload.models import MODELS, TensorParallel, UnsupportedModelError, build_model
 from support.transformers_models import FAMILIES, Reference
 
@@ -36,10 +38,7 @@ def test_logits_match_transformers_at_tp1(
     family: str, reference: Callable[[str], Reference]
 ) -> None:
     ref = reference(family)
-    model = _build(read_config(ref.path))
-    tensors = stack_shards(convention_shards(ref.path, 0, 1), type(model).stacked_params_mapping)
-    with torch.no_grad():
-        logits = fill(model, tensors)(ref.input_ids)
+    logits = rank_logits(ref.path, ref.input_ids, rank=0, tp=1)
     assert logits.shape == ref.logits.shape
     assert ref.logits.std() > 0.5, "reference logits too small for the comparison to mean much"
     assert (logits - ref.logits).abs().max().item() <= TOLERANCE
@@ -47,16 +46,17 @@ def test_logits_match_transformers_at_tp1(
 
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_parameters_are_the_convention_shards_at_every_rank(
+def test_rayload_shards_fill_every_parameter_at_every_rank(
     family: str, tp: int, reference: Callable[[str], Reference]
 ) -> None:
     path = reference(family).path
+    config = dict(open_checkpoint(path).config or {})
     for rank in range(tp):
-        model = _build(read_config(path), rank, tp)
-        mapping = type(model).stacked_params_mapping
-        shards = stack_shards(convention_shards(path, rank, tp), mapping)
-        params = {name: tuple(p.shape) for name, p in model.named_parameters()}
-        assert params == {name: tuple(t.shape) for name, t in shards.items()}
+        model = _build(config, rank, tp)
+        tensors, _ = load_rank(path, rank, tp, method="scratch", device="cpu")
+        fill = fill_model(model, tensors, rank=rank)
+        assert fill.parameters == len(list(model.parameters()))
+        assert not any(p.is_meta for p in model.parameters())
 
 
 def test_build_model_allocates_frozen_meta_parameters_and_no_buffers() -> None:

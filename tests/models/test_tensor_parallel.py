@@ -1,5 +1,6 @@
-"""The headline check: tp 2 and 4 real rank processes (gloo), each holding only its shards,
-produce transformers' logits, and the same full-vocab logits on every rank.
+"""The headline check: tp 2 and 4 real rank processes (gloo), each holding only the shards
+rayload's ``load_rank`` gives it, filled into the reference model by rayload's
+``fill_model``, produce transformers' logits, and the same full-vocab logits on every rank.
 
 tp 4 on ``llama_gqa``, ``qwen2`` and ``phi3`` (2 kv heads) is the case where each kv head
 is replicated over two ranks.
@@ -11,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from models.tp_processes import Job, RankPool
+from models.tp_processes import RankPool
 from support.transformers_models import FAMILIES, Reference
 
 TOLERANCE = 1e-4
@@ -28,7 +29,7 @@ def test_rank_processes_match_transformers(
     rank_pool: Callable[[int], RankPool],
 ) -> None:
     ref = reference(family)
-    logits = rank_pool(tp).run(Job(str(ref.path), ref.input_ids))
+    logits = rank_pool(tp).run(ref.path, ref.input_ids)
     assert (logits[0] - ref.logits).abs().max().item() <= TOLERANCE
     for rank_logits in logits[1:]:
         assert rank_logits.equal(logits[0])

@@ -2,17 +2,17 @@
 
 :class:`RankPool` spawns (start method "spawn", never fork) one process per rank; each
 runs :func:`serve_rank`: ``init_process_group("gloo", tcp://127.0.0.1:PORT)`` once, then
-for every job gets its shards, builds the reference model with
-``rayload.models.build_model`` on meta, fills it and returns its logits. Workers never
-import transformers (3 s each); importable as ``models.tp_processes`` in the children
-because ``tests/`` is on sys.path.
+for every checkpoint does what a rayload rank does with ``model=build_model``:
+``load_rank`` (method scratch, cpu), ``rayload.models.build_model`` on meta,
+``fill_model``, and returns the forward's logits. Workers never import transformers (3 s
+each); this module is importable in the children as ``models.tp_processes`` because
+``tests/`` is on sys.path.
 """
 
 from __future__ import annotations
 
 import socket
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,44 +22,35 @@ import torch.multiprocessing as mp
 _JOB_TIMEOUT_S = 120.0
 
 
-@dataclass(frozen=True)
-class Job:
-    """One forward on every rank. ``source``: ``"convention"`` (the test's slicer) or
-    ``"load_rank"`` (``rayload.loading.load_rank``, method scratch, on cpu)."""
-
-    path: str
-    input_ids: torch.Tensor
-    source: str = "convention"
-
-
-def _rank_logits(job: Job, rank: int, tp: int, group: Any) -> torch.Tensor:
-    from models.shards import convention_shards, fill, read_config, stack_shards
-    from rayload.loading import load_rank
-    from rayload.loading.model import ModelContext
+def rank_logits(
+    path: Path, input_ids: torch.Tensor, rank: int, tp: int, group: Any = None
+) -> torch.Tensor:
+    """Rank ``rank`` of ``tp``'s logits for the checkpoint at ``path``: its shards as
+    rayload loads them, in the reference model, filled by rayload's filler."""
+    from rayload.loading import load_rank, open_checkpoint
+    from rayload.loading.model import ModelContext, fill_model
     from rayload.models import build_model
 
-    path = Path(job.path)
-    config = read_config(path)
-    if job.source == "load_rank":
-        tensors, _ = load_rank(path, rank, tp, method="scratch", device="cpu")
-    else:
-        tensors = convention_shards(path, rank, tp)
+    config = dict(open_checkpoint(path).config or {})
+    tensors, _ = load_rank(path, rank, tp, method="scratch", device="cpu")
     model = build_model(ModelContext(rank, tp, "cpu", config, process_group=group))
-    fill(model, stack_shards(tensors, type(model).stacked_params_mapping))
+    fill_model(model, tensors, rank=rank)
     with torch.no_grad():
-        return model(job.input_ids)
+        return model(input_ids)
 
 
 def serve_rank(rank: int, tp: int, port: int, jobs: Any, results: Any) -> None:
-    """A rank process: join the group, then answer jobs until it gets None."""
+    """A rank process: join the group, then answer ``(path, input_ids)`` jobs until None."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
     try:
         while (job := jobs.get()) is not None:
+            path, input_ids = job
             try:
-                results.put((rank, _rank_logits(job, rank, tp, dist.group.WORLD), None))
+                logits = rank_logits(Path(path), input_ids, rank, tp, dist.group.WORLD)
+                results.put((rank, logits, None))
             except Exception:  # reported to the test, which fails with the traceback
                 results.put((rank, None, traceback.format_exc()))
     finally:
@@ -97,29 +88,24 @@ class RankPool:
         for proc in self._procs:
             proc.start()
 
-    def run(self, job: Job) -> list[torch.Tensor]:
+    def run(self, path: Path, input_ids: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's logits, in rank order; a rank's exception fails with its traceback
         (and restarts the pool on the next call: the other ranks may be stuck in a
         collective)."""
         if not self._procs:
             self._start()
         for queue in self._jobs:
-            queue.put(job)
+            queue.put((str(path), input_ids))
         logits: dict[int, torch.Tensor] = {}
-        errors: list[str] = []
         try:
             for _ in range(self.tp):
                 rank, out, error = self._results.get(timeout=_JOB_TIMEOUT_S)
                 if error is not None:
-                    errors.append(f"rank {rank}:\n{error}")
-                    break
+                    raise RuntimeError(f"rank {rank} of tp {self.tp} failed:\n{error}")
                 logits[rank] = out.clone()
-        except Exception as exc:
+        except Exception:
             self.close(force=True)
-            raise RuntimeError(f"tp {self.tp}: no answer from every rank ({exc!r})") from exc
-        if errors:
-            self.close(force=True)
-            raise RuntimeError("\n".join(errors))
+            raise
         return [logits[rank] for rank in range(self.tp)]
 
     def close(self, *, force: bool = False) -> None:

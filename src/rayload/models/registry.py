@@ -67,5 +67,5 @@ def build_model(context: ModelContext) -> torch.nn.Module:
     """
     cls = model_class(context.config)
     tp = TensorParallel(context.rank, context.tp_size, context.process_group)
-    with context.phase("model.build", architecture=cls.__name__), torch.device("meta"):
+    with torch.device("meta"):
         return cls(context.config, tp)
