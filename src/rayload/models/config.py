@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from rayload.errors import ConfigError
+from rayload.loading.heads import HeadLayout
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -126,12 +127,16 @@ class AttentionHeads:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], tp_size: int) -> AttentionHeads:
-        """Heads from ``num_attention_heads``, ``num_key_value_heads`` (default: as many
-        as q heads) and ``head_dim`` (default ``hidden_size // num_attention_heads``)."""
-        num_heads = int(require(config, "num_attention_heads"))
-        num_kv = int(config.get("num_key_value_heads") or num_heads)
-        head_dim = int(config.get("head_dim") or require(config, "hidden_size") // num_heads)
-        return cls(num_heads, num_kv, head_dim, tp_size)
+        """Heads as the planner reads them (:class:`rayload.loading.heads.HeadLayout`):
+        ``num_attention_heads`` (GPT-2: ``n_head``), ``num_key_value_heads`` (default: as
+        many as q heads), ``head_dim`` (default ``hidden_size // num_attention_heads``)."""
+        layout = HeadLayout.from_config(config)
+        if layout is None:
+            raise UnsupportedModelError(
+                "config.json declares no attention heads the model can use: it needs "
+                "num_attention_heads (or n_head) and head_dim or a hidden_size they divide"
+            )
+        return cls(layout.num_heads, layout.num_kv_heads, layout.head_dim, tp_size)
 
     @property
     def local_heads(self) -> int:

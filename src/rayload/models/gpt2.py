@@ -62,10 +62,7 @@ class GPT2Attention(nn.Module):
     ) -> None:
         super().__init__()
         hidden = int(require(config, "n_embd"))
-        num_heads = int(require(config, "n_head"))
-        if hidden % num_heads:
-            raise UnsupportedModelError(f"n_embd={hidden} is not divisible by n_head={num_heads}")
-        self.heads = AttentionHeads(num_heads, num_heads, hidden // num_heads, tp.size)
+        self.heads = AttentionHeads.from_config(config, tp.size)
         self.scaling = self.heads.head_dim**-0.5 if config.get("scale_attn_weights", True) else 1.0
         if config.get("scale_attn_by_inverse_layer_idx", False):
             self.scaling /= float(layer + 1)
