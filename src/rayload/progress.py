@@ -118,7 +118,7 @@ def format_rank_table(reports: Sequence[RankReport]) -> str:
 
 
 def load_json(result: LoadResult) -> dict[str, Any]:
-    """The one object ``rayload load --json`` prints (DESIGN.md "Command line"), plus
+    """The one object ``rayload load --json`` prints (docs/design.md "Command line"), plus
     ``warnings`` (what the ranks disagreed on; empty when nothing)."""
     return {
         "trace_id": result.trace_id,

@@ -1,4 +1,4 @@
-"""A phase that times device work ends only after the device is synchronized (DESIGN.md
+"""A phase that times device work ends only after the device is synchronized (docs/design.md
 "Spans"): checked at the moment each backend's ``rank.to_device`` phase ends, on a real GPU."""
 
 from __future__ import annotations

@@ -229,7 +229,7 @@ def make_tp4_trace() -> Callable[..., SyntheticTrace]:
 
 def check_startup_trace(spans: list[ReadableSpan], expected: SyntheticTrace) -> None:
     """Assert ``spans`` (merged, or as a receiver got them) are the whole synthetic trace:
-    one trace id, the span tree of DESIGN.md with every parent present, and the fixed
+    one trace id, the span tree of docs/design.md with every parent present, and the fixed
     attributes and resources."""
     assert {f"{s.context.trace_id:032x}" for s in spans if s.context} == {expected.trace_id}
     by_id = {s.context.span_id: s for s in spans if s.context}

@@ -21,7 +21,7 @@ Importable without Ray. One ``rayload.load()`` produces ONE trace::
     metrics = startup_metrics(reports, placement_seconds=..., actor_startup_seconds={...})
     print(format_metrics_table(metrics)); publish_ray_metrics(metrics)
 
-Span and attribute names are fixed in :mod:`rayload.tracing.schema` (DESIGN.md "Spans").
+Span and attribute names are fixed in :mod:`rayload.tracing.schema` (docs/design.md "Spans").
 """
 
 from rayload.tracing.clock import best_clock_offset, corrected, sample_clock_offset

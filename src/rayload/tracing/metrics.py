@@ -1,7 +1,7 @@
 """Startup metrics: what each rank spent its start-up on, the aggregate over ranks, the
 CLI's rank x phase table and Ray gauges.
 
-Keys (DESIGN.md, seconds unless named otherwise; ``draft_``-prefixed for a draft model)::
+Keys (docs/design.md, seconds unless named otherwise; ``draft_``-prefixed for a draft model)::
 
     total_model_loading_seconds     RankReport.start_ns (config parsing) to its end_ns
     checkpoint_preparation_seconds  rank.resolve + rank.plan

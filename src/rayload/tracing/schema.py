@@ -1,4 +1,4 @@
-"""The names DESIGN.md fixes for spans and attributes, and how attribute values are cleaned.
+"""Span and attribute names (fixed in docs/design.md "Spans"), and how values are cleaned.
 
 Span tree::
 
