@@ -1,6 +1,6 @@
 """Checkpoint discovery and safetensors header parsing (no tensor data is read).
 
-Layouts (see DESIGN.md "Checkpoint layouts"):
+Layouts (see docs/design.md "Checkpoint layouts"):
 
 * ``hf_single``: one ``model.safetensors``
 * ``hf_index``: ``model.safetensors.index.json`` + the shard files it names
@@ -87,7 +87,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     validate every header, and return the :class:`Checkpoint`.
 
     Raises :class:`rayload.errors.CheckpointError` naming the file (and tensor) on any of
-    the bad inputs listed in DESIGN.md.
+    the bad inputs listed in docs/design.md.
     """
     given = os.path.abspath(os.fspath(path))
     if os.path.isfile(given):
