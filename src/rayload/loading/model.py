@@ -76,7 +76,8 @@ def engine_phases(timer: PhaseTimer) -> Callable[..., AbstractContextManager[dic
 
 
 @contextmanager
-def _no_phase(name: str, **attributes: Any) -> Iterator[dict[str, Any]]:
+def no_phase(name: str, **attributes: Any) -> Iterator[dict[str, Any]]:
+    """A phase recorded nowhere: the default of :attr:`ModelContext.phase`."""
     yield dict(attributes)
 
 
@@ -95,7 +96,7 @@ class ModelContext:
     device: str
     config: Mapping[str, Any]
     process_group: Any = None
-    phase: Callable[..., Any] = field(default=_no_phase, repr=False, compare=False)
+    phase: Callable[..., Any] = field(default=no_phase, repr=False, compare=False)
 
 
 ModelFactory = Callable[[ModelContext], Any]
