@@ -1,4 +1,4 @@
-"""``fill_model`` / ``build_model``: the engine's module filled in place from a rank's shards,
+"""``fill_model`` / ``build_and_fill``: the engine's module filled in place from a rank's shards,
 without Ray: zero copy on meta, stacked parameters packed in the mapping's order with the
 pieces turned into views, and one clear error per disagreement."""
 
@@ -15,7 +15,7 @@ from rayload.errors import ConfigError, InputError, ModelMismatchError
 from rayload.loading import PhaseTimer, load_rank, plan_shards
 from rayload.loading.model import (
     ModelContext,
-    build_model,
+    build_and_fill,
     engine_phase_name,
     engine_phases,
     fill_model,
@@ -149,7 +149,7 @@ def test_fill_model_toy_llama_from_load_rank_matches_the_checkpoint_zero_copy(
         context = ModelContext(
             rank=1, tp_size=2, device="cpu", config=config, phase=engine_phases(timer)
         )
-        models.append(build_model(toy_llama_on_meta, context, tensors, timer=timer))
+        models.append(build_and_fill(toy_llama_on_meta, context, tensors, timer=timer))
 
     tensors, report = load_rank(
         tiny_llama, 1, 2, "scratch", "cpu", timer=timer, post_load=post_load
@@ -268,7 +268,7 @@ def test_build_model_factory_not_returning_a_module_is_a_config_error() -> None:
     context = ModelContext(rank=0, tp_size=1, device="cpu", config={})
     timer = PhaseTimer()
     with pytest.raises(ConfigError, match="rank 0: the model factory returned dict"):
-        build_model(lambda _: {}, context, {}, timer=timer)
+        build_and_fill(lambda _: {}, context, {}, timer=timer)
     assert [p.name for p in timer.records] == ["rank.model.build", "rank.model"]
     assert all(p.error for p in timer.records)
 

@@ -34,7 +34,7 @@ from rayload.actors.records import (
     RankState,
 )
 from rayload.loading import load_rank
-from rayload.loading.model import ModelContext, build_model, engine_phases
+from rayload.loading.model import ModelContext, build_and_fill, engine_phases
 from rayload.loading.probe import EnvProbe, probe_environment
 from rayload.loading.rank import PostLoad
 from rayload.loading.report import PhaseTimer, RankReport
@@ -265,7 +265,7 @@ class RankActor:
         )
 
         def build(tensors: dict[str, Any]) -> None:
-            self._model = build_model(factory, context, tensors, timer=timer)
+            self._model = build_and_fill(factory, context, tensors, timer=timer)
 
         return build
 

@@ -130,7 +130,7 @@ class ModelFill:
         }
 
 
-def build_model(
+def build_and_fill(
     factory: ModelFactory,
     context: ModelContext,
     tensors: MutableMapping[str, torch.Tensor],
