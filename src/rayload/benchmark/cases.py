@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -106,6 +107,25 @@ def _rayload(method: str) -> Callable[[RankJob], Loaded]:
         )
 
     return run
+
+
+def _scratch_model(job: RankJob) -> Loaded:
+    """scratch, then the reference TP model built on the meta device and filled from the
+    shards (``rayload.load(..., model=build_model)`` without Ray): what ``model=`` costs
+    in time and memory on top of the load. The returned tensors live in the model."""
+    from rayload.loading import load_rank
+    from rayload.loading.checkpoint import open_checkpoint
+    from rayload.loading.model import ModelContext, fill_model
+    from rayload.models import build_model
+
+    tensors, report = load_rank(job.checkpoint, job.rank, job.tp_size, "scratch", job.device)
+    config = open_checkpoint(job.checkpoint).config or {}
+    start = time.perf_counter()
+    module = build_model(ModelContext(job.rank, job.tp_size, job.device, config))
+    fill_model(module, tensors, rank=job.rank)
+    phases = {p.name: p.seconds for p in report.phases}
+    phases["rank.model"] = time.perf_counter() - start
+    return Loaded(dict(tensors), effective=str(report.method.effective), phases=phases)
 
 
 def _safe_open_slice(job: RankJob) -> Loaded:
@@ -299,6 +319,12 @@ CASES: dict[str, Case] = {
             "rayload load_rank(method='fastsafetensors_gdr')",
             _rayload("fastsafetensors_gdr"),
             needs_cuda=True,
+        ),
+        Case(
+            "scratch_model",
+            "rayload",
+            "scratch + the reference TP model (meta) filled in place, as load(model=...)",
+            _scratch_model,
         ),
         Case(
             "safe_open_slice",

@@ -255,6 +255,15 @@ def targets(
                 lambda v: v <= 256,
                 "shard + {:.0f} MB",
             )
+    check(
+        "scratch_model",
+        "warm",
+        "scratch_model warm peak RSS per rank (model= filled in place)",
+        "<= shard + 64 MB",
+        lambda s: s.rss_overhead / MB,
+        lambda v: v <= 64,
+        "shard + {:.0f} MB",
+    )
     for row in amplification or []:
         if row["case"] not in ("scratch", "converted"):
             continue
