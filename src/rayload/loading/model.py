@@ -88,7 +88,10 @@ class ModelContext:
     ``config`` is the checkpoint's ``config.json`` (empty when it has none);
     ``process_group`` the ``torch.distributed`` group of the load's ranks (the default
     group; None when the load was asked for none, ``process_group=None``); ``phase(name)``
-    records an engine phase of this rank into the load's trace (a context manager).
+    records an engine phase of this rank into the load's trace (a context manager);
+    ``expert_parallel`` says the load divided the experts among the ranks (contiguous
+    blocks: rank ``r`` of ``tp`` holds experts ``r*E/tp .. (r+1)*E/tp - 1`` whole) instead
+    of splitting every expert.
     """
 
     rank: int
@@ -97,6 +100,7 @@ class ModelContext:
     config: Mapping[str, Any]
     process_group: Any = None
     phase: Callable[..., Any] = field(default=no_phase, repr=False, compare=False)
+    expert_parallel: bool = False
 
 
 ModelFactory = Callable[[ModelContext], Any]
