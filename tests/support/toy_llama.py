@@ -70,7 +70,8 @@ class ToyLlama(nn.Module):
         super().__init__()
         vocab, hidden = config["vocab_size"], config["hidden_size"]
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(vocab // tp, hidden, dtype=dtype)
+        # Not nn.Embedding: its init on meta imports torch's meta kernels (~1 s per process).
+        self.model.embed_tokens = _Linear(vocab // tp, hidden, dtype)
         self.model.layers = nn.ModuleList(
             _Layer(config, tp, dtype) for _ in range(config["num_hidden_layers"])
         )
