@@ -121,15 +121,23 @@ class LoadResult:
 
         ``with state.phase("warmup"):`` inside ``fn`` records ``engine.warmup`` for that
         rank; the phases come back with the results and join :attr:`trace` (clock-corrected
-        like the load's rank spans). :meth:`write_trace` writes them out.
+        like the load's rank spans). :meth:`write_trace` writes them out. When ``fn``
+        raises on some ranks, the first rank's error is raised once every rank answered.
         """
         self._check_open()
         refs = [actor.apply_traced.remote(fn, *args, **kwargs) for actor in self.actors]
         results = []
+        error: Exception | None = None
         for rank, ref in enumerate(refs):
-            applied: Applied = self._call(rank, ref)
+            try:
+                applied: Applied = self._call(rank, ref)
+            except Exception as exc:  # raised below, once every rank's phases are merged
+                error = error or exc
+                continue
             self._add_engine_spans(rank, applied.spans)
             results.append(applied.value)
+        if error is not None:
+            raise error
         return results
 
     def write_trace(self, trace_dir: str | os.PathLike[str] | None = None) -> dict[str, str]:
