@@ -240,10 +240,10 @@ def _slots(module: nn.Module) -> dict[str, _Slot]:
                 if slot is None:
                     slot = _Slot(name, tensor, [], is_buffer=kind == "_buffers")
                     by_id[id(tensor)] = slot
-                if (owner, attr) not in [(o, a) for o, a in slot.owners]:
+                if (owner, attr) not in slot.owners:
                     slot.owners.append((owner, attr))
                 names.setdefault(name, slot)
-    return {name: slot for name, slot in names.items()}
+    return names
 
 
 def _match(
