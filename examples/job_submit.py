@@ -1,5 +1,5 @@
-"""A ``ray job submit`` entrypoint: load a checkpoint with rayload inside a Ray job and print
-the result as one JSON line.
+"""A ``ray job submit`` entrypoint: load a TP model with rayload inside a Ray job, run one
+forward pass over its ranks and print the result as one JSON line.
 
 On one machine, from the repository root (the same RAY_AUTH_MODE for both commands: Ray
 2.59+ turns token authentication on by default for local clusters; with it on, both
@@ -7,13 +7,16 @@ commands must see the same token, e.g. ~/.ray/auth_token)::
 
     RAY_AUTH_MODE=disabled ray start --head --port 6390 --dashboard-port 8265 --num-cpus 2
     RAY_AUTH_MODE=disabled ray job submit --address http://127.0.0.1:8265 \\
-        --working-dir examples -- python job_submit.py --tp 2
+        --working-dir examples -- python job_submit.py --tp 2 --token-ids 1 2 3 4 5
     ray stop   # stops every Ray on this machine
 
-Inside the job ``rayload.load`` joins the job's cluster (``RAY_ADDRESS`` is set by Ray).
-Without ``--checkpoint`` the job writes a tiny generated Llama to a temp dir on the node
-that runs the job's driver: fine on one node; on several nodes pass a path every node can
-read (shared storage).
+Inside the job ``rayload.load`` joins the job's cluster (``RAY_ADDRESS`` is set by Ray) and
+gives every rank its part of rayload's reference TP model (``model=build_model``, one
+``torch.distributed`` group over the ranks); the line holds the load's trace id, ranks and
+metrics, and ``top5``: the ids of the 5 highest next-token logits after ``--token-ids``.
+Without ``--checkpoint`` the job writes a tiny generated Llama (float32) to a temp dir on
+the node that runs the job's driver: fine on one node; on several nodes pass a path every
+node can read (shared storage).
 """
 
 from __future__ import annotations
@@ -22,9 +25,23 @@ import argparse
 import json
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
 
 import rayload
 from rayload.loading import write_checkpoint
+from rayload.models import build_model
+
+if TYPE_CHECKING:
+    from rayload.actors.records import RankState
+
+
+def next_token_top5(state: RankState, token_ids: list[int]) -> list[int]:
+    """On one rank, run with every other rank: the ids of the 5 highest next-token logits."""
+    with torch.inference_mode():
+        logits = state.model(torch.tensor([token_ids], device=state.device))
+    return logits[0, -1].topk(5).indices.tolist()
 
 
 def main() -> None:
@@ -32,16 +49,25 @@ def main() -> None:
     parser.add_argument("--checkpoint", help="checkpoint directory (default: generate one)")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    parser.add_argument(
+        "--token-ids",
+        type=int,
+        nargs="+",
+        default=[1, 2, 3, 4, 5],
+        help="the prompt whose next token the model predicts (default: 1 2 3 4 5)",
+    )
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = args.checkpoint or write_checkpoint(Path(tmp) / "tiny-llama")
-        with rayload.load(path, tp_size=args.tp, device=args.device) as result:
+        path = args.checkpoint or write_checkpoint(Path(tmp) / "tiny-llama", dtype="f32")
+        with rayload.load(path, args.tp, device=args.device, model=build_model) as result:
+            top5 = result.apply(next_token_top5, args.token_ids)[0]
             summary = {
                 "trace_id": result.trace_id,
                 "tp_size": result.tp_size,
                 "ranks": [report.to_dict() for report in result.ranks],
                 "startup_metrics": result.startup_metrics,
+                "top5": top5,
             }
     print(json.dumps(summary))
 

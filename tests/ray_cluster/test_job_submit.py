@@ -1,6 +1,7 @@
 """examples/job_submit.py through ``ray job submit`` against its own ``ray start --head``
 cluster, run entirely in subprocesses (own ports, own temp dir) and stopped by killing only
-that cluster's processes: never ``ray stop``, which would stop every Ray on the machine."""
+that cluster's processes: never ``ray stop``, which would stop every Ray on the machine.
+The job's next-token top 5 is held to transformers on the same generated checkpoint."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
+
+from rayload.loading import write_checkpoint
+from support.transformers_models import reference_logits
 
 REPO = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -121,12 +126,16 @@ def head_node() -> Iterator[HeadNode]:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def test_job_submit_example_loads_inside_a_ray_job(head_node: HeadNode) -> None:
+def test_job_submit_example_loads_inside_a_ray_job_and_prints_top5(
+    head_node: HeadNode, tmp_path: Path
+) -> None:
+    token_ids = [7, 300, 42, 5]
     submit = [
         RAY, "job", "submit",
         "--address", head_node.dashboard,
         "--working-dir", str(REPO / "examples"),
         "--", "python", "job_submit.py", "--tp", "2",
+        "--token-ids", *map(str, token_ids),
     ]  # fmt: skip
     run = subprocess.run(submit, env=head_node.env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -137,3 +146,7 @@ def test_job_submit_example_loads_inside_a_ray_job(head_node: HeadNode) -> None:
     assert [r["rank"] for r in summary["ranks"]] == [0, 1]
     assert all(r["bytes_read"] > 0 and r["node_id"] for r in summary["ranks"])
     assert "succeeded" in run.stdout
+    # The job generated this checkpoint in its own temp dir: the writer is deterministic.
+    checkpoint = write_checkpoint(tmp_path / "ckpt", dtype="f32")
+    logits = reference_logits(checkpoint, torch.tensor([token_ids]))
+    assert summary["top5"] == logits[0, -1].topk(5).indices.tolist()
