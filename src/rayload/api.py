@@ -226,6 +226,7 @@ def load(
     progress: ProgressCallback | None = None,
     process_group: str | None = "auto",
     model: ModelFactory | None = None,
+    expert_parallel: bool = False,
 ) -> LoadResult:
     """Load the checkpoint at ``path`` onto Ray with ``tp_size`` ranks, one actor each.
 
@@ -243,6 +244,8 @@ def load(
     module (best on the meta device) once its shards are loaded; rayload fills it in place
     from the shards (:func:`rayload.loading.model.fill_model`, span ``rank.model``) and
     hands it to :meth:`LoadResult.apply` functions as ``state.model``.
+    ``expert_parallel`` divides a mixture-of-experts model's experts among the ranks,
+    whole, instead of splitting each (:mod:`rayload.loading.experts`).
 
     Raises :class:`~rayload.errors.InputError` (bad input, before any actor starts),
     :class:`~rayload.errors.RankFailedError` or :class:`~rayload.errors.RankTimeoutError`.
@@ -259,7 +262,7 @@ def load(
     if isinstance(rules, str | os.PathLike):
         # Read a rules file once, here: the ranks' nodes may not see the driver's files.
         rules = resolve_rules(rules, checkpoint.architecture)
-    plan = plan_shards(checkpoint, tp_size, rules=rules)
+    plan = plan_shards(checkpoint, tp_size, rules=rules, expert_parallel=expert_parallel)
     outputs = _TraceOutputs(trace_dir, otlp_endpoint)
     outputs.prepare()
     hooks = hooks_from_env()
@@ -295,6 +298,7 @@ def load(
             process_group=group_spec,
             model=model,
             model_config=dict(checkpoint.config or {}) if model is not None else None,
+            expert_parallel=expert_parallel,
         )
         ranks = load_ranks(
             trace, group, request, deadline=deadline, timeout=timeout, progress=progress

@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import NoReturn
 
 from rayload.errors import RayloadError
+from rayload.options import PROCESS_GROUPS
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from rayload.loading.plan import plan_shards
 
     checkpoint = open_checkpoint(args.dir)
-    plan = plan_shards(checkpoint, args.tp, rules=args.rules)
+    plan = plan_shards(checkpoint, args.tp, rules=args.rules, expert_parallel=args.expert_parallel)
     summary = describe_plan(plan, checkpoint.root)
     print(json.dumps(summary) if args.json else render_plan(summary))
     return 0
@@ -56,7 +57,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from rayload.loading.convert import convert_checkpoint
     from rayload.loading.manifest import MANIFEST_NAME
 
-    out = convert_checkpoint(args.dir, args.out, args.tp, rules=args.rules)
+    out = convert_checkpoint(
+        args.dir, args.out, args.tp, rules=args.rules, expert_parallel=args.expert_parallel
+    )
     print(f"converted {args.dir} for tp={args.tp}: {out / MANIFEST_NAME}")
     return 0
 
@@ -101,6 +104,8 @@ def _cmd_load(args: argparse.Namespace) -> int:
             device=args.device,
             strict=args.strict_method,
             rules=args.rules,
+            expert_parallel=args.expert_parallel,
+            process_group=None if args.process_group == "none" else args.process_group,
             address=args.address,
             placement_strategy=args.placement_strategy,
             trace_dir=args.trace_dir,
@@ -205,7 +210,8 @@ class _Choices(Collection[str]):
         return len(self._loaded())
 
 
-_DEVICES = _Choices("rayload.api", "DEVICES")
+_DEVICES = _Choices("rayload.options", "DEVICES")
+_PROCESS_GROUPS = (*PROCESS_GROUPS, "none")
 _STRATEGIES = _Choices("rayload.placement", "STRATEGIES")
 
 _QUICK = {"size_gb": 0.25, "preset": "tiny-llama", "repeat": 1}
@@ -272,6 +278,15 @@ def _add_rules(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_expert_parallel(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--expert-parallel",
+        action="store_true",
+        help="divide a mixture-of-experts model's experts among the ranks, whole (rank r "
+        "holds the r-th contiguous block), instead of splitting every expert (vLLM's name)",
+    )
+
+
 def _add_json(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--json", action="store_true", help=f"print {what} as one JSON object")
 
@@ -311,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dir(p)
     _add_tp(p, "the number of ranks to plan for (required)")
     _add_rules(p)
+    _add_expert_parallel(p)
     _add_json(p, "the plan")
 
     p = add("convert", _cmd_convert, "write a pre-sharded checkpoint for one tp size")
@@ -318,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output directory: new, or empty")
     _add_tp(p, "the number of ranks the output is sharded for (required)")
     _add_rules(p)
+    _add_expert_parallel(p)
 
     p = add("make-checkpoint", _cmd_make_checkpoint, "write a synthetic Llama-style checkpoint")
     p.add_argument("out", help="output directory: new, or one that holds no checkpoint")
@@ -358,6 +375,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_dir(p)
     _add_tp(p, "the number of ranks, one Ray actor each (required)")
     _add_rules(p)
+    _add_expert_parallel(p)
+    p.add_argument(
+        "--process-group",
+        default="auto",
+        choices=_PROCESS_GROUPS,
+        metavar="BACKEND",
+        help="torch.distributed group across the ranks: %(choices)s; auto: nccl on CUDA, "
+        "gloo on cpu (default: %(default)s)",
+    )
     p.add_argument(
         "--method",
         default="auto",

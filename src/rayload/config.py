@@ -20,10 +20,11 @@ wins. ``parts`` (optional) describes the split dimension as attention heads or a
 components, in order: ``"q"`` (the query heads), ``"kv"`` (the key/value heads) and
 ``"even"`` (an equal share of what the other parts leave): ``["q"]`` for ``q_proj``,
 ``["kv"]`` for ``k_proj``, ``["q", "kv", "kv"]`` for a fused ``qkv_proj``,
-``["even", "even"]`` for a fused ``gate_up_proj``. Head counts come from ``config.json``;
-``head_size`` (optional) overrides its head dimension. With ``use_preset`` the
-architecture's preset rules are tried after the file's, so a file can override a few
-tensors and keep the rest. See docs/sharding.md.
+``["even", "even"]`` for a fused ``gate_up_proj``, ``["heads"]`` for a dimension of
+``num_attention_heads`` heads of another width (DeepSeek's MLA projections). Head counts
+come from ``config.json``; ``head_size`` (optional) overrides its head dimension.
+With ``use_preset`` the architecture's preset rules are tried after the file's, so a file
+can override a few tensors and keep the rest. See docs/sharding.md.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from pydantic import (
 from rayload.errors import ConfigError
 
 SplitSpec = Literal[0, 1, "replicate"]
-PartSpec = Literal["q", "kv", "even"]
+PartSpec = Literal["q", "kv", "even", "heads"]
 
 
 class RuleSpec(BaseModel):
@@ -56,7 +57,8 @@ class RuleSpec(BaseModel):
     pattern: str = Field(min_length=1, description="regex matched against the whole name")
     split: SplitSpec = Field(description='0, 1 or "replicate"')
     parts: list[PartSpec] | None = Field(
-        default=None, description='the split dimension as heads or fused parts: "q", "kv", "even"'
+        default=None,
+        description="the split dimension as heads or fused parts: q, kv, even, heads",
     )
     head_size: int | None = Field(
         default=None, ge=1, description="head dimension of q/kv parts (default: config.json's)"

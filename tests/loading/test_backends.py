@@ -61,20 +61,21 @@ def hand_plan(path: Path, rank: int, tp: int, split: int | None) -> RankPlan:
     """Rank ``rank``'s shard of ``matrix`` computed here, independently of plan_shards."""
     info = open_checkpoint(path).tensors["matrix"]
     rows, cols, item = 8, 6, 4
+    pieces: tuple[tuple[int, int], ...] = ()
     if split is None:
         ranges, shape = [ByteRange(str(path), info.start, info.nbytes)], (rows, cols)
     elif split == 0:
         n = rows // tp
         ranges = [ByteRange(str(path), info.start + rank * n * cols * item, n * cols * item)]
-        shape = (n, cols)
+        shape, pieces = (n, cols), ((rank * n, n),)
     else:
         n = cols // tp
         ranges = [
             ByteRange(str(path), info.start + (r * cols + rank * n) * item, n * item)
             for r in range(rows)
         ]
-        shape = (rows, n)
-    shard = TensorShard("matrix", "F32", (rows, cols), shape, split, tuple(ranges))
+        shape, pieces = (rows, n), ((rank * n, n),)
+    shard = TensorShard("matrix", "F32", (rows, cols), shape, split, tuple(ranges), pieces)
     return RankPlan(rank, tp, (shard,))
 
 

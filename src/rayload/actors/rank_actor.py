@@ -145,6 +145,7 @@ class RankActor:
                 probe=self._probe(),
                 timer=timer,
                 post_load=self._model_builder(request, device, timer),
+                expert_parallel=request.expert_parallel,
             )
             report = _with_node(report, self._node_id)
             self._report = report
@@ -262,6 +263,7 @@ class RankActor:
             config=dict(request.model_config or {}),
             process_group=self._process_group,
             phase=engine_phases(timer),
+            expert_parallel=request.expert_parallel,
         )
 
         def build(tensors: dict[str, Any]) -> None:

@@ -34,6 +34,7 @@ class LoadRequest:
     process_group: ProcessGroupSpec | None = None
     model: ModelFactory | None = None
     model_config: Mapping[str, Any] | None = None
+    expert_parallel: bool = False
 
 
 @dataclass(frozen=True)

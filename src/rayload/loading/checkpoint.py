@@ -235,6 +235,14 @@ def _rank_tensors(
                     file=info.file,
                     tensor=name,
                 )
+            owner = (manifest.owners or {}).get(name, rank)
+            if owner != rank:
+                raise CheckpointError(
+                    f"{info.file}: tensor {name!r} belongs to rank {owner} (expert parallel), "
+                    f"not to rank {rank}; re-run `rayload convert`",
+                    file=info.file,
+                    tensor=name,
+                )
             expected = _expected_shard_shape(manifest, name)
             if info.shape != expected:
                 raise CheckpointError(
@@ -245,7 +253,7 @@ def _rank_tensors(
                     tensor=name,
                 )
             tensors[name] = info
-    if missing := sorted(manifest.splits.keys() - tensors.keys()):
+    if missing := sorted(manifest.rank_names(rank) - tensors.keys()):
         raise CheckpointError(
             f"{manifest_path}: rank {rank}'s files {[h.file for h in headers]} lack tensor "
             f"{missing[0]!r} (and {len(missing) - 1} more); re-run `rayload convert`",

@@ -69,11 +69,13 @@ def convert_checkpoint(
     rules: RulesArg = None,
     part_bytes: int = DEFAULT_PART_BYTES,
     reader_options: ReaderOptions | None = None,
+    expert_parallel: bool = False,
 ) -> Path:
     """Convert the Hugging Face checkpoint at ``src`` into a ``tp_size``-way pre-sharded
     checkpoint in ``out`` (created; it must not exist or be empty). Returns ``out``.
 
-    ``rules`` as for :func:`~rayload.loading.plan.plan_shards`. Raises ConfigError for a
+    ``rules`` and ``expert_parallel`` as for :func:`~rayload.loading.plan.plan_shards`
+    (with expert parallel each rank's files hold only its experts). Raises ConfigError for a
     non-empty ``out`` or an already converted ``src``, and the planner's errors for a bad
     checkpoint or rules.
     """
@@ -92,7 +94,7 @@ def convert_checkpoint(
             f"{checkpoint.tp_size}); convert the original Hugging Face checkpoint instead"
         )
     ruleset = resolve_rules(rules, checkpoint.architecture)
-    plan = plan_shards(checkpoint, tp_size, rules=ruleset)
+    plan = plan_shards(checkpoint, tp_size, rules=ruleset, expert_parallel=expert_parallel)
     options = reader_options or ReaderOptions()
 
     created = not out_dir.exists()
@@ -125,7 +127,7 @@ def _write_converted(
             files[name] = _write_rank_file(out_dir / name, shards, rank_plan, options)
             ranks[rank_plan.rank].append(name)
             log.info("wrote %s (%d tensors)", name, len(shards))
-    first_rank = plan.ranks[0].shards
+    every = {s.name: s for rank_plan in plan.ranks for s in rank_plan.shards}.values()
     manifest = Manifest.model_validate(
         {
             "format_version": FORMAT_VERSION,
@@ -135,8 +137,12 @@ def _write_converted(
             "ranks": ranks,
             "files": files,
             "splits": dict(plan.splits),
-            "full_shapes": {s.name: list(s.full_shape) for s in first_rank},
-            "shard_shapes": {s.name: list(s.shape) for s in first_rank},
+            "full_shapes": {s.name: list(s.full_shape) for s in every},
+            "shard_shapes": {s.name: list(s.shape) for s in every},
+            "expert_parallel": plan.expert_parallel,
+            "experts": dict(enumerate(map(list, plan.experts))) if plan.experts else None,
+            "owners": dict(plan.owners) or None,
+            "block_size": list(plan.block_size) if plan.block_size else None,
         }
     )
     _copy_side_files(Path(checkpoint.root), out_dir)

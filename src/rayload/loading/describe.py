@@ -44,7 +44,16 @@ def describe_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
         "tensor_count": len(entries),
         "tensor_bytes": ckpt.tensor_bytes,
         "file_bytes": ckpt.total_bytes,
+        "quantization": (ckpt.config or {}).get("quantization_config"),
     }
+
+
+def _quantization_lines(quant: Any) -> list[str]:
+    """config.json's ``quantization_config`` as one line (method, format, block size)."""
+    if not isinstance(quant, dict):
+        return []
+    shown = ", ".join(f"{k}={quant[k]}" for k in sorted(quant) if not isinstance(quant[k], dict))
+    return [f"quantized   {shown}"]
 
 
 def _tensor(t: TensorInfo, rank: int | None) -> dict[str, Any]:
@@ -68,6 +77,7 @@ def render_checkpoint(summary: dict[str, Any]) -> str:
         f"checkpoint  {summary['root']} ({summary['layout']}, {arch}{tp})",
         f"files       {len(summary['files'])}, {human_bytes(summary['file_bytes'])}",
         f"tensors     {summary['tensor_count']}, {human_bytes(summary['tensor_bytes'])}",
+        *_quantization_lines(summary.get("quantization")),
         "",
     ]
     ranked = summary["tp_size"] is not None
@@ -112,8 +122,23 @@ def describe_plan(plan: ShardPlan, root: str) -> dict[str, Any]:
             "tensors": list(plan.unmatched),
         },
         "unused_rules": list(plan.unused_rules),
+        "expert_parallel": plan.expert_parallel,
+        "block_size": list(plan.block_size) if plan.block_size else None,
         "ranks": [
-            {"rank": r.rank, "bytes": r.nbytes, "tensors": len(r.shards), "files": len(r.files)}
+            {
+                "rank": r.rank,
+                "bytes": r.nbytes,
+                "tensors": len(r.shards),
+                "files": len(r.files),
+                **(
+                    {
+                        "experts": list(plan.experts[r.rank]),
+                        "expert_bytes": plan.expert_bytes(r.rank),
+                    }
+                    if plan.expert_parallel
+                    else {}
+                ),
+            }
             for r in plan.ranks
         ],
         "splits": dict(plan.splits),
@@ -129,11 +154,16 @@ def render_plan(summary: dict[str, Any]) -> str:
         f"checkpoint  {human_bytes(summary['checkpoint_bytes'])} of tensors",
         "",
     ]
+    header = ["rank", "bytes", "tensors", "files"]
     rows = [
         [str(r["rank"]), human_bytes(r["bytes"]), str(r["tensors"]), str(r["files"])]
         for r in summary["ranks"]
     ]
-    lines += _table(["rank", "bytes", "tensors", "files"], rows)
+    if summary["expert_parallel"]:
+        header += ["experts", "expert bytes"]
+        for row, r in zip(rows, summary["ranks"], strict=True):
+            row += [_id_range(r["experts"]), human_bytes(r["expert_bytes"])]
+    lines += _table(header, rows)
     lines += ["", *_heads_lines(summary)]
     lines += [
         f"replicated          {human_bytes(summary['replicated_bytes'])} in "
@@ -149,6 +179,13 @@ def render_plan(summary: dict[str, Any]) -> str:
         lines.append(f"  ... and {unmatched['count'] - len(shown)} more (see --json)")
     lines += [f"warning: {unused_rule_message(p)}" for p in summary["unused_rules"]]
     return "\n".join(lines)
+
+
+def _id_range(ids: list[int]) -> str:
+    """``[4, 5, 6, 7]`` as ``4-7`` (expert blocks are contiguous)."""
+    if not ids:
+        return "-"
+    return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0])
 
 
 def _heads_lines(summary: dict[str, Any]) -> list[str]:

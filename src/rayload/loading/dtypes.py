@@ -22,6 +22,7 @@ _TABLE: dict[str, tuple[str, int]] = {
     "I8": ("int8", 1),
     "F8_E4M3": ("float8_e4m3fn", 1),
     "F8_E5M2": ("float8_e5m2", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),  # MX block scales (DeepSeek-V3.1-style UE8M0)
     "U16": ("uint16", 2),
     "I16": ("int16", 2),
     "F16": ("float16", 2),

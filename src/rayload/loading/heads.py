@@ -8,7 +8,11 @@ A rule's ``parts`` lay the split dimension out as consecutive components:
   heads; with fewer KV heads than ranks each rank holds one whole KV head, head
   ``rank // (tp // kv_heads)``: every KV head is replicated over ``tp / kv_heads`` ranks;
 * ``even``: an equal share of what the sized parts leave (gate and up of a fused
-  ``gate_up_proj`` are two ``even`` parts), cut evenly.
+  ``gate_up_proj`` are two ``even`` parts), cut evenly;
+* ``heads``: like ``even``, but the share holds ``num_attention_heads`` heads of whatever
+  width it gives them, cut in whole heads: the projections of multi-head latent attention
+  (DeepSeek's ``q_b_proj``, ``kv_b_proj``, ``o_proj``), whose per-head widths are not
+  ``head_dim``.
 
 A rank's shard is the concatenation of its piece of each part, in order: vLLM's layout of
 ``QKVParallelLinear`` (q, then k, then v) and ``MergedColumnParallelLinear`` (gate, then
@@ -21,7 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-PARTS = ("q", "kv", "even")
+PARTS = ("q", "kv", "even", "heads")
+_SIZED = ("q", "kv")
 
 Piece = tuple[int, int]
 """``(start, length)`` along the split dimension."""
@@ -100,8 +105,8 @@ def rank_pieces(
 def _widths(
     parts: Sequence[str], size: int, heads: HeadLayout | None, head_size: int | None
 ) -> list[int]:
-    sized = [p for p in parts if p != "even"]
-    if sized and heads is None:
+    sized = [p for p in parts if p in _SIZED]
+    if (sized or "heads" in parts) and heads is None:
         if len(parts) == 1:
             return [size]  # cut evenly (in whole heads of head_size, when the rule has one)
         raise HeadError(
@@ -112,13 +117,13 @@ def _widths(
     fixed = sum(widths[p] for p in sized)
     evens = len(parts) - len(sized)
     if (evens == 0 and fixed != size) or (evens and ((size - fixed) % evens or size <= fixed)):
-        layout = " + ".join(f"{p} {widths[p]}" if p != "even" else "even" for p in parts)
+        layout = " + ".join(f"{p} {widths[p]}" if p in widths else p for p in parts)
         raise HeadError(
             f"its dimension has size {size}, which does not match its parts "
             f"({layout}) for {heads.describe() if heads else 'these heads'}"
         )
     share = (size - fixed) // evens if evens else 0
-    return [widths[p] if p != "even" else share for p in parts]
+    return [widths.get(p, share) for p in parts]
 
 
 def _piece(
@@ -133,6 +138,10 @@ def _piece(
         return rank * step, step
     count = _heads_of(part, heads)
     dim = _head_dim(heads, head_size)
+    if part == "heads":
+        if width % count:
+            raise HeadError(f"its size {width} does not hold {count} heads of equal width")
+        dim = width // count
     if count % tp == 0:
         per_rank = count // tp
         return rank * per_rank * dim, per_rank * dim
@@ -148,7 +157,7 @@ def _piece(
 
 def _heads_of(part: str, heads: HeadLayout | None) -> int:
     assert heads is not None
-    return heads.num_heads if part == "q" else heads.num_kv_heads
+    return heads.num_kv_heads if part == "kv" else heads.num_heads
 
 
 def _head_dim(heads: HeadLayout | None, head_size: int | None) -> int:

@@ -18,7 +18,10 @@ reads and checks it. Example::
 
 ``shard_shapes`` (every rank's shard has the same shape) is what the planner gave each
 tensor, whole heads and fused parts included; manifests written before it existed lack it,
-and their shards are the full shape cut evenly on the split.
+and their shards are the full shape cut evenly on the split. A checkpoint converted with
+expert parallel says so (``expert_parallel``), lists each rank's experts (``experts``) and
+the tensors only one rank holds (``owners``: name -> rank); ``block_size`` is the
+quantization block size the conversion used, when the model has one.
 
 Checksums are CRC-32 (zlib's polynomial, 8 lowercase hex digits) of the whole file: they
 catch truncation and corruption, and are not a defence against deliberate tampering. They
@@ -94,6 +97,15 @@ class Manifest(BaseModel):
     splits: dict[str, Literal[0, 1] | None]
     full_shapes: dict[str, list[int]]
     shard_shapes: dict[str, list[int]] | None = None
+    expert_parallel: bool = False
+    experts: dict[int, list[int]] | None = None
+    owners: dict[str, int] | None = None
+    block_size: list[int] | None = None
+
+    def rank_names(self, rank: int) -> set[str]:
+        """The tensors stored for ``rank``: all but other ranks' experts."""
+        owners = self.owners or {}
+        return {name for name in self.splits if owners.get(name, rank) == rank}
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:

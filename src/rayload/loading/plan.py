@@ -23,7 +23,7 @@ import logging
 import math
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import overload
 
 from rayload.errors import ConfigError, ShardingError
@@ -34,8 +34,10 @@ from rayload.loading.checkpoint import (
     open_checkpoint,
 )
 from rayload.loading.dtypes import ITEMSIZE
+from rayload.loading.experts import expert_layout
 from rayload.loading.heads import HeadError, HeadLayout, Piece, kv_replicas, rank_pieces
 from rayload.loading.rules import Rule, RulesArg, RuleSet, resolve_rules, unused_rule_message
+from rayload.loading.scales import block_size, is_scale, scale_pieces, scaled_weight
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +169,10 @@ class ShardPlan:
     ``rules_source`` says which rules were used (``preset:<arch>``, a file path,
     ``manifest`` for a converted checkpoint, or ``none``); ``heads`` the attention heads
     config.json declares (None when it declares none) and ``kv_replicas`` how many ranks
-    hold each KV head (1 unless there are fewer KV heads than ranks).
+    hold each KV head (1 unless there are fewer KV heads than ranks). With expert parallel,
+    ``experts[r]`` are the experts rank ``r`` holds and ``owners`` maps each of their
+    tensors to it (those tensors are in that rank's plan only); ``block_size`` is the
+    quantization block size of config.json, when it gives one.
     """
 
     tp_size: int
@@ -180,6 +185,18 @@ class ShardPlan:
     unused_rules: tuple[str, ...] = ()  # patterns of the user's rules that matched nothing
     heads: HeadLayout | None = None
     kv_replicas: int = 1
+    owners: Mapping[str, int] = field(default_factory=dict)
+    experts: tuple[tuple[int, ...], ...] = ()
+    block_size: tuple[int, ...] | None = None
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether the experts are divided among the ranks (``experts[r]``: rank r's)."""
+        return bool(self.experts)
+
+    def expert_bytes(self, rank: int) -> int:
+        """Bytes of the experts' tensors rank ``rank`` holds alone (expert parallel)."""
+        return sum(s.nbytes for s in self.ranks[rank].shards if s.name in self.owners)
 
     def split_dim(self, name: str) -> int | None:
         """0, 1 or None (replicated) for tensor ``name``; KeyError if unknown."""
@@ -193,7 +210,9 @@ class ShardPlan:
     @property
     def replicated_bytes(self) -> int:
         """Bytes every rank reads in full (counted once)."""
-        return sum(s.nbytes for s in self.ranks[0].shards if s.split is None)
+        return sum(
+            s.nbytes for s in self.ranks[0].shards if s.split is None and s.name not in self.owners
+        )
 
     @property
     def replicated_head_bytes(self) -> int:
@@ -223,11 +242,17 @@ class ShardPlan:
 
 
 def plan_shards(
-    path: str | os.PathLike[str] | Checkpoint, tp_size: int, *, rules: RulesArg = None
+    path: str | os.PathLike[str] | Checkpoint,
+    tp_size: int,
+    *,
+    rules: RulesArg = None,
+    expert_parallel: bool = False,
 ) -> ShardPlan:
     """Plan every rank of ``tp_size`` for the checkpoint at ``path`` (a path or a
     :class:`~rayload.loading.checkpoint.Checkpoint`). ``rules`` is a rules file path, a
     rules object, or None for the preset matching config.json ``architectures``.
+    ``expert_parallel`` divides the experts among the ranks, whole, instead of splitting
+    each one (:mod:`rayload.loading.experts`).
 
     Raises ConfigError for a bad ``tp_size`` or rules, ShardingError for a tensor the
     rules cannot split ``tp_size`` ways, CheckpointError for a bad checkpoint or one
@@ -237,27 +262,59 @@ def plan_shards(
         raise ConfigError(f"tp_size must be a positive integer, got {tp_size!r}")
     checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     if checkpoint.layout == "converted":
-        return _plan_converted(checkpoint, tp_size, rules)
+        return _plan_converted(checkpoint, tp_size, rules, expert_parallel)
     ruleset = resolve_rules(rules, checkpoint.architecture)
-    return _plan_hf(checkpoint, tp_size, ruleset)
+    return _plan_hf(checkpoint, tp_size, ruleset, expert_parallel)
 
 
-def _plan_hf(checkpoint: Checkpoint, tp_size: int, ruleset: RuleSet) -> ShardPlan:
+@dataclass
+class _Cut:
+    """How one tensor is cut: its split, every rank's pieces (None when whole), and the
+    rank that owns it alone (an expert's tensor under expert parallel)."""
+
+    split: int | None
+    pieces: list[tuple[Piece, ...]] | None = None
+    owner: int | None = None
+
+
+def _plan_hf(
+    checkpoint: Checkpoint, tp_size: int, ruleset: RuleSet, expert_parallel: bool
+) -> ShardPlan:
     tensors = _in_file_order(checkpoint.files, checkpoint.tensors.values())
+    by_name = {t.name: t for t in tensors}
     heads = HeadLayout.from_config(checkpoint.config)
-    splits: dict[str, int | None] = {}
-    pieces: dict[str, list[tuple[Piece, ...]]] = {}
+    rules = {t.name: ruleset.match(t.name) for t in tensors}
+    followers = {
+        t.name: weight
+        for t in tensors
+        if rules[t.name] is None and (weight := scaled_weight(t.name, by_name))
+    }
+    experts = None
+    if expert_parallel:
+        ids = {n: e for n, rule in rules.items() if rule and (e := rule.expert_id(n)) is not None}
+        experts = expert_layout(checkpoint.config, ids.values(), tp_size, root=checkpoint.root)
+    cuts: dict[str, _Cut] = {}
     unmatched: list[str] = []
     headless: list[str] = []
     for info in tensors:
-        rule = ruleset.match(info.name)
+        rule = rules[info.name]
+        if info.name in followers:
+            continue
         if rule is None:
-            unmatched.append(info.name)
-        splits[info.name] = rule.split if rule else None
-        if rule is not None and rule.split is not None:
-            pieces[info.name] = _rank_pieces(info, rule, heads, tp_size)
-            if heads is None and {"q", "kv"} & set(rule.parts):
+            if not (is_scale(info.name) and math.prod(info.shape) <= 1):
+                unmatched.append(info.name)  # per-tensor scales are replicated by design
+            cuts[info.name] = _Cut(None)
+        elif experts is not None and (expert := rule.expert_id(info.name)) is not None:
+            cuts[info.name] = _Cut(None, owner=experts.owner(expert))
+        elif rule.split is None:
+            cuts[info.name] = _Cut(None)
+        else:
+            cuts[info.name] = _Cut(rule.split, _rank_pieces(info, rule, heads, tp_size))
+            if heads is None and {"q", "kv", "heads"} & set(rule.parts):
                 headless.append(info.name)
+    block = block_size(checkpoint.config)
+    for name, weight in followers.items():
+        cuts[name] = _following_cut(by_name[name], by_name[weight], cuts[weight], block)
     if headless and tp_size > 1:
         log.warning(
             "%s: config.json declares no attention heads, so %d head-split tensors (e.g. "
@@ -271,12 +328,14 @@ def _plan_hf(checkpoint: Checkpoint, tp_size: int, ruleset: RuleSet) -> ShardPla
             rank,
             tp_size,
             tuple(
-                _shard(t, splits[t.name], pieces[t.name][rank] if t.name in pieces else ())
+                _shard(t, cut.split, cut.pieces[rank] if cut.pieces else ())
                 for t in tensors
+                if (cut := cuts[t.name]).owner in (None, rank)
             ),
         )
         for rank in range(tp_size)
     )
+    splits = {name: cut.split for name, cut in cuts.items()}
     unused = ruleset.unused_user_rules(splits)
     for rule in unused:
         log.warning(
@@ -293,14 +352,50 @@ def _plan_hf(checkpoint: Checkpoint, tp_size: int, ruleset: RuleSet) -> ShardPla
         unused_rules=tuple(rule.pattern for rule in unused),
         heads=heads,
         kv_replicas=kv_replicas(heads, tp_size) if _has_kv_rule(ruleset, splits) else 1,
+        owners={n: cut.owner for n, cut in cuts.items() if cut.owner is not None},
+        experts=tuple(experts.of_rank(r) for r in range(tp_size)) if experts else (),
+        block_size=block,
     )
+
+
+def _following_cut(
+    scale: TensorInfo, weight: TensorInfo, cut: _Cut, block: tuple[int, ...] | None
+) -> _Cut:
+    """The cut of ``scale``, a quantization scale of ``weight``: the weight's owner, and
+    its split in whole blocks (replicated when it is one number or the weight is whole)."""
+    if cut.split is None or cut.pieces is None or math.prod(scale.shape) <= 1:
+        return _Cut(None, owner=cut.owner)
+    if len(scale.shape) != len(weight.shape):
+        raise ShardingError(
+            f"tensor {scale.name!r} in {scale.file}: a scale of shape {list(scale.shape)} for "
+            f"the weight {weight.name!r} of shape {list(weight.shape)}, split on dimension "
+            f"{cut.split}: rayload cannot tell which of its elements go with which rank; "
+            "replicate it with a rules file",
+            tensor=scale.name,
+            file=scale.file,
+        )
+    try:
+        pieces = [
+            scale_pieces(scale.shape, weight.shape, cut.split, ranked, block)[0]
+            for ranked in cut.pieces
+        ]
+    except HeadError as exc:
+        tp = len(cut.pieces)
+        raise ShardingError(
+            f"tensor {scale.name!r} in {scale.file} (scales of {weight.name!r}, tp={tp}): {exc}",
+            tensor=scale.name,
+            file=scale.file,
+        ) from exc
+    return _Cut(cut.split, pieces, cut.owner)
 
 
 def _has_kv_rule(ruleset: RuleSet, names: Iterable[str]) -> bool:
     return any("kv" in rule.parts for name in names if (rule := ruleset.match(name)))
 
 
-def _plan_converted(checkpoint: Checkpoint, tp_size: int, rules: RulesArg) -> ShardPlan:
+def _plan_converted(
+    checkpoint: Checkpoint, tp_size: int, rules: RulesArg, expert_parallel: bool
+) -> ShardPlan:
     manifest = checkpoint.manifest
     assert manifest is not None and checkpoint.rank_files is not None
     check_converted_tp(checkpoint.root, manifest.tp_size, tp_size)
@@ -309,11 +404,19 @@ def _plan_converted(checkpoint: Checkpoint, tp_size: int, rules: RulesArg) -> Sh
             f"{checkpoint.root} is a converted checkpoint: its sharding rules were fixed by "
             f"`rayload convert`; drop the rules, or convert again with them"
         )
+    if expert_parallel != manifest.expert_parallel:
+        asked, made = ("with", "without") if expert_parallel else ("without", "with")
+        raise ConfigError(
+            f"{checkpoint.root} was converted {made} expert parallel; load it {made} "
+            f"--expert-parallel, or convert the original again {asked} it"
+        )
     ranks = []
+    dtypes: dict[str, str] = {}
     for rank in range(tp_size):
         tensors = _in_file_order(
             checkpoint.rank_files[rank], checkpoint.rank_tensors(rank).values()
         )
+        dtypes.update((t.name, t.dtype) for t in tensors)
         shards = tuple(
             TensorShard(
                 name=t.name,
@@ -327,8 +430,7 @@ def _plan_converted(checkpoint: Checkpoint, tp_size: int, rules: RulesArg) -> Sh
         )
         ranks.append(RankPlan(rank, tp_size, shards))
     full_bytes = sum(
-        math.prod(manifest.full_shapes[t.name]) * ITEMSIZE[t.dtype]
-        for t in checkpoint.rank_tensors(0).values()
+        math.prod(manifest.full_shapes[name]) * ITEMSIZE[dtype] for name, dtype in dtypes.items()
     )
     return ShardPlan(
         tp_size=tp_size,
@@ -337,6 +439,11 @@ def _plan_converted(checkpoint: Checkpoint, tp_size: int, rules: RulesArg) -> Sh
         checkpoint_bytes=full_bytes,
         rules_source="manifest",
         layout=checkpoint.layout,
+        owners=dict(manifest.owners or {}),
+        experts=tuple(tuple(manifest.experts[r]) for r in range(tp_size))
+        if manifest.experts
+        else (),
+        block_size=tuple(manifest.block_size) if manifest.block_size else None,
     )
 
 

@@ -56,6 +56,7 @@ def load_rank(
     timer: PhaseTimer | None = None,
     post_load: PostLoad | None = None,
     reader_options: ReaderOptions | None = None,
+    expert_parallel: bool = False,
 ) -> tuple[dict[str, torch.Tensor], RankReport]:
     """Load rank ``rank`` of ``tp_size`` of the checkpoint at ``path`` onto ``device``.
 
@@ -65,6 +66,8 @@ def load_rank(
     :class:`MethodUnavailableError`. ``probe`` replaces the environment probe (tests);
     ``timer`` collects the phases (pass your own to keep them when this raises);
     ``post_load(tensors)`` runs inside ``rank.post_load``, followed by a device sync.
+    ``expert_parallel`` gives the rank only its experts, whole
+    (:mod:`~rayload.loading.experts`).
 
     Returns the tensors (this rank's shards by name) and the :class:`RankReport`, whose
     ``start_ns`` is taken before any config or header is parsed.
@@ -100,7 +103,9 @@ def load_rank(
     log_fallback(rank, resolution.requested, resolution.selected, resolution.fallback_reason)
 
     with timer.phase("rank.plan") as attrs:
-        plan = plan_shards(checkpoint, tp_size, rules=rules).ranks[rank]
+        plan = plan_shards(checkpoint, tp_size, rules=rules, expert_parallel=expert_parallel).ranks[
+            rank
+        ]
         attrs.update({"bytes": plan.nbytes, "tensors": len(plan.shards)})
 
     backend = BACKENDS[resolution.selected](env, checkpoint=checkpoint, options=reader_options)

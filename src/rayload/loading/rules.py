@@ -14,9 +14,13 @@ part of q, of k and of v, concatenated, ``("even", "even")`` a fused gate/up ten
 are vLLM's conventions (``QKVParallelLinear``, ``MergedColumnParallelLinear``); the
 conventions are data here, not branches on an architecture name.
 
+A pattern with an ``expert`` group (``experts\\.(?P<expert>\\d+)\\.``) marks an expert's
+tensors: with expert parallel (:func:`rayload.loading.plan.plan_shards`) they are not
+split but held whole by the rank that owns the expert.
+
 Presets cover the Hugging Face names of the Llama family (Llama, Mistral, Qwen2/3,
-Qwen-MoE, Mixtral, Phi-3) and GPT-2, chosen from ``config.json`` ``architectures``; users
-can pass a rules file (:mod:`rayload.config`).
+Qwen-MoE, Mixtral, Phi-3), DeepSeek-V2/V3 and GPT-2, chosen from ``config.json``
+``architectures``; users can pass a rules file (:mod:`rayload.config`).
 """
 
 from __future__ import annotations
@@ -68,6 +72,16 @@ class Rule:
     def matches(self, name: str) -> bool:
         return self._regex.fullmatch(name) is not None
 
+    def expert_id(self, name: str) -> int | None:
+        """The expert a tensor belongs to: the ``expert`` group of the pattern
+        (``experts\\.(?P<expert>\\d+)\\.``), or None for a pattern without one or a name
+        it matched without it (a shared expert)."""
+        if "expert" not in self._regex.groupindex:
+            return None
+        match = self._regex.fullmatch(name)
+        value = match.group("expert") if match else None
+        return int(value) if value is not None else None
+
     @classmethod
     def from_spec(cls, spec: RuleSpec) -> Rule:
         split = None if spec.split == "replicate" else spec.split
@@ -113,9 +127,12 @@ def _rules(*rules: tuple[str, int | None] | tuple[str, int, tuple[str, ...]]) ->
 
 
 _Q, _KV, _QKV, _HALVES = ("q",), ("kv",), ("q", "kv", "kv"), ("even", "even")
+_HEADS = ("heads",)
 
 _LAYER = r"model\.layers\.\d+\."
-_MLP = _LAYER + r"mlp\.(?:experts\.\d+\.|shared_expert\.)?"
+_EXPERT = r"experts\.(?P<expert>\d+)\."
+"""An expert's tensors: the ``expert`` group names the expert (expert parallel)."""
+_MLP = _LAYER + r"mlp\.(?:" + _EXPERT + r"|shared_experts?\.)?"
 
 _DECODER = _rules(
     (r"model\.embed_tokens\.weight", 0),  # vocab-parallel embedding
@@ -137,10 +154,22 @@ _DECODER = _rules(
 """Llama-style decoder: Llama, Mistral, Qwen2 (q/k/v biases), Qwen3, Qwen2/3-MoE."""
 
 _MIXTRAL = _rules(
-    (_LAYER + r"block_sparse_moe\.experts\.\d+\.w[13]\.weight", 0),
-    (_LAYER + r"block_sparse_moe\.experts\.\d+\.w2\.weight", 1),
+    (_LAYER + r"block_sparse_moe\." + _EXPERT + r"w[13]\.weight", 0),
+    (_LAYER + r"block_sparse_moe\." + _EXPERT + r"w2\.weight", 1),
     (_LAYER + r"block_sparse_moe\.gate\.weight", None),
 )
+
+_DEEPSEEK = _rules(
+    # Multi-head latent attention, as vLLM shards it: the up-projections to the heads are
+    # column-parallel and o_proj row-parallel, each cut in whole heads of their own width;
+    # the low-rank down-projections (ReplicatedLinear in vLLM) and their norms replicated.
+    (_LAYER + r"self_attn\.(?:q_proj|q_b_proj|kv_b_proj)\.weight", 0, _HEADS),
+    (_LAYER + r"self_attn\.o_proj\.weight", 1, _HEADS),
+    (_LAYER + r"self_attn\.(?:q_a_proj|kv_a_proj_with_mqa)\.weight", None),
+    (_LAYER + r"self_attn\.(?:q_a_layernorm|kv_a_layernorm)\.weight", None),
+    (_LAYER + r"mlp\.gate\.e_score_correction_bias", None),  # DeepSeek-V3 router bias
+)
+"""DeepSeek-V2/V3 attention; experts, shared experts and the rest as the decoder."""
 
 _GPT2_LAYER = r"transformer\.h\.\d+\."
 
@@ -171,6 +200,8 @@ PRESETS: dict[str, tuple[Rule, ...]] = {
     "Qwen2MoeForCausalLM": _DECODER,
     "Qwen3MoeForCausalLM": _DECODER,
     "MixtralForCausalLM": _MIXTRAL + _DECODER,
+    "DeepseekV2ForCausalLM": _DEEPSEEK + _DECODER,
+    "DeepseekV3ForCausalLM": _DEEPSEEK + _DECODER,
     "Phi3ForCausalLM": _DECODER,
     "GPT2LMHeadModel": _GPT2,
 }

@@ -1,0 +1,48 @@
+"""The options users pass to rayload, and their checks: one place for each, shared by the
+command line, the Python API, the rank actors and the planner, so the same bad value gets
+the same message everywhere.
+
+Import-light on purpose (no Ray, no torch): the CLI builds its choices from here without
+paying for either.
+"""
+
+from __future__ import annotations
+
+from rayload.errors import ConfigError
+
+DEVICES = ("auto", "cpu", "cuda")
+"""``device=`` / ``--device``: the rank's GPU when Ray gave it one (auto), cpu or cuda."""
+
+PROCESS_GROUPS = ("auto", "gloo", "nccl")
+"""``process_group=`` backends (or None: no group); the CLI spells None ``none``."""
+
+MODEL_ROLES = ("main", "draft")
+"""``model_role=``: the model a load is for (a draft model for speculative decoding)."""
+
+
+def check_tp_size(tp_size: object) -> int:
+    """``tp_size`` as an int; ConfigError unless it is a positive integer."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ConfigError(f"tp_size must be a positive integer, got {tp_size!r}")
+    return tp_size
+
+
+def check_rank(rank: object, tp_size: int) -> int:
+    """``rank`` as an int; ConfigError unless it is in ``0..tp_size-1``."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp_size:
+        raise ConfigError(f"rank must be in 0..{tp_size - 1} for tp_size {tp_size}, got {rank!r}")
+    return rank
+
+
+def check_model_role(model_role: object) -> str:
+    """``model_role`` as a str; ConfigError unless it is one of :data:`MODEL_ROLES`."""
+    if model_role not in MODEL_ROLES:
+        raise ConfigError(f"model_role must be one of {', '.join(MODEL_ROLES)}, got {model_role!r}")
+    return str(model_role)
+
+
+def check_device(device: object) -> str:
+    """``device`` as a str; ConfigError unless it is one of :data:`DEVICES`."""
+    if device not in DEVICES:
+        raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
+    return str(device)
