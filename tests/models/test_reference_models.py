@@ -1,10 +1,12 @@
 """The reference models in one process: transformers' logits at tp 1 for every family, the
 parameter contract (names and shard shapes that rayload's shards fill exactly, meta
-construction) at every rank of tp 2 and 4, and clear errors for what they do not implement.
+construction) at every rank of tp 2 and 4, tensor and expert parallel, and clear errors
+for what they do not implement.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import pytest
@@ -15,7 +17,7 @@ from rayload.errors import ConfigError
 from rayload.loading import load_rank, open_checkpoint
 from rayload.loading.model import ModelContext, fill_model
 from rayload.models import MODELS, TensorParallel, UnsupportedModelError, build_model
-from support.transformers_models import FAMILIES, Reference
+from support.transformers_models import EXPERTS, FAMILIES, MOE_FAMILIES, Reference, expert_id
 
 TOLERANCE = 1e-4
 TINY_LLAMA = {
@@ -29,8 +31,17 @@ TINY_LLAMA = {
 }
 
 
-def _build(config: dict, rank: int = 0, tp: int = 1) -> torch.nn.Module:
-    return build_model(ModelContext(rank=rank, tp_size=tp, device="cpu", config=config))
+def _build(
+    config: dict, rank: int = 0, tp: int = 1, *, expert_parallel: bool = False
+) -> torch.nn.Module:
+    context = ModelContext(
+        rank=rank, tp_size=tp, device="cpu", config=config, expert_parallel=expert_parallel
+    )
+    return build_model(context)
+
+
+def _shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -57,6 +68,46 @@ def test_rayload_shards_fill_every_parameter_at_every_rank(
         fill = fill_model(model, tensors, rank=rank)
         assert fill.parameters == len(list(model.parameters()))
         assert not any(p.is_meta for p in model.parameters())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_expert_parallel_ranks_hold_their_block_of_whole_experts(
+    family: str, tp: int, reference: Callable[[str], Reference]
+) -> None:
+    path = reference(family).path
+    config = dict(open_checkpoint(path).config or {})
+    whole = _shapes(_build(config))
+    split = _shapes(_build(config, 0, tp))
+    for rank in range(tp):
+        model = _build(config, rank, tp, expert_parallel=True)
+        shapes = _shapes(model)
+        per = EXPERTS // tp
+        assert {expert_id(n) for n in shapes} - {None} == set(range(rank * per, (rank + 1) * per))
+        for name, shape in shapes.items():
+            assert shape == (split[name] if expert_id(name) is None else whole[name]), name
+        tensors, _ = load_rank(path, rank, tp, method="scratch", device="cpu", expert_parallel=True)
+        fill = fill_model(model, tensors, rank=rank)
+        assert fill.parameters == len(shapes)
+        assert not any(p.is_meta for p in model.parameters())
+
+
+def test_expert_parallel_is_ignored_by_dense_families() -> None:
+    config = dict(TINY_LLAMA)
+    assert _shapes(_build(config, 1, 4, expert_parallel=True)) == _shapes(_build(config, 1, 4))
+
+
+def test_expert_parallel_refuses_experts_the_ranks_do_not_divide() -> None:
+    config = {
+        **TINY_LLAMA,
+        "architectures": ["MixtralForCausalLM"],
+        "num_local_experts": 6,
+        "num_experts_per_tok": 2,
+    }
+    assert _build(config, 0, 4) is not None
+    message = "num_experts (expert parallel)=6 is not divisible by tp_size=4"
+    with pytest.raises(UnsupportedModelError, match=re.escape(message)):
+        _build(config, 0, 4, expert_parallel=True)
 
 
 def test_build_model_allocates_frozen_meta_parameters_and_no_buffers() -> None:

@@ -3,10 +3,10 @@
 :class:`RankPool` spawns (start method "spawn", never fork) one process per rank; each
 runs :func:`serve_rank`: ``init_process_group("gloo", tcp://127.0.0.1:PORT)`` once, then
 for every checkpoint does what a rayload rank does with ``model=build_model``:
-``load_rank`` (method scratch, cpu), ``rayload.models.build_model`` on meta,
-``fill_model``, and returns the forward's logits. Workers never import transformers (3 s
-each); this module is importable in the children as ``models.tp_processes`` because
-``tests/`` is on sys.path.
+``load_rank`` (method scratch, cpu; tensor or expert parallel),
+``rayload.models.build_model`` on meta, ``fill_model``, and returns the forward's logits.
+Workers never import transformers (3 s each); this module is importable in the children
+as ``models.tp_processes`` because ``tests/`` is on sys.path.
 """
 
 from __future__ import annotations
@@ -23,7 +23,13 @@ _JOB_TIMEOUT_S = 120.0
 
 
 def rank_logits(
-    path: Path, input_ids: torch.Tensor, rank: int, tp: int, group: Any = None
+    path: Path,
+    input_ids: torch.Tensor,
+    rank: int,
+    tp: int,
+    group: Any = None,
+    *,
+    expert_parallel: bool = False,
 ) -> torch.Tensor:
     """Rank ``rank`` of ``tp``'s logits for the checkpoint at ``path``: its shards as
     rayload loads them, in the reference model, filled by rayload's filler."""
@@ -32,24 +38,37 @@ def rank_logits(
     from rayload.models import build_model
 
     config = dict(open_checkpoint(path).config or {})
-    tensors, _ = load_rank(path, rank, tp, method="scratch", device="cpu")
-    model = build_model(ModelContext(rank, tp, "cpu", config, process_group=group))
+    tensors, _ = load_rank(
+        path, rank, tp, method="scratch", device="cpu", expert_parallel=expert_parallel
+    )
+    context = ModelContext(
+        rank, tp, "cpu", config, process_group=group, expert_parallel=expert_parallel
+    )
+    model = build_model(context)
     fill_model(model, tensors, rank=rank)
     with torch.no_grad():
         return model(input_ids)
 
 
 def serve_rank(rank: int, tp: int, port: int, jobs: Any, results: Any) -> None:
-    """A rank process: join the group, then answer ``(path, input_ids)`` jobs until None."""
+    """A rank process: join the group, then answer ``(path, input_ids, expert_parallel)``
+    jobs until None."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
     try:
         while (job := jobs.get()) is not None:
-            path, input_ids = job
+            path, input_ids, expert_parallel = job
             try:
-                logits = rank_logits(Path(path), input_ids, rank, tp, dist.group.WORLD)
+                logits = rank_logits(
+                    Path(path),
+                    input_ids,
+                    rank,
+                    tp,
+                    dist.group.WORLD,
+                    expert_parallel=expert_parallel,
+                )
                 results.put((rank, logits, None))
             except Exception:  # reported to the test, which fails with the traceback
                 results.put((rank, None, traceback.format_exc()))
@@ -88,14 +107,16 @@ class RankPool:
         for proc in self._procs:
             proc.start()
 
-    def run(self, path: Path, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    def run(
+        self, path: Path, input_ids: torch.Tensor, *, expert_parallel: bool = False
+    ) -> list[torch.Tensor]:
         """Every rank's logits, in rank order; a rank's exception fails with its traceback
         (and restarts the pool on the next call: the other ranks may be stuck in a
         collective)."""
         if not self._procs:
             self._start()
         for queue in self._jobs:
-            queue.put((str(path), input_ids))
+            queue.put((str(path), input_ids, expert_parallel))
         logits: dict[int, torch.Tensor] = {}
         try:
             for _ in range(self.tp):

@@ -17,6 +17,7 @@ processes that only need :data:`FAMILIES`' names never import it).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,6 +204,19 @@ FAMILIES: dict[str, Callable[[Path], Path]] = {
     "qwen2_moe": write_qwen2_moe,
 }
 """Family name -> checkpoint writer."""
+
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
+"""The families with experts, :data:`EXPERTS` each."""
+EXPERTS = 4
+"""Experts per MoE layer: expert parallel at tp 2 and 4 divides them."""
+_EXPERT_ID = re.compile(r"\.experts\.(\d+)\.")
+
+
+def expert_id(name: str) -> int | None:
+    """The expert a tensor or parameter belongs to (``...experts.N....``), None when it is
+    not a routed expert's (routers, Qwen2-MoE's ``shared_expert``, attention, ...)."""
+    match = _EXPERT_ID.search(name)
+    return int(match[1]) if match else None
 
 
 def sample_input_ids(batch: int = 2, seq: int = 8, seed: int = 0) -> torch.Tensor:

@@ -16,8 +16,11 @@ model's ``forward(input_ids [batch, seq])`` returns the full-vocab logits
 
 Shards follow vLLM's convention: whole attention heads per rank (kv heads replicated when
 fewer than ranks), column-parallel q/k/v, gate/up and LM head, row-parallel o/down, a
-vocab-parallel embedding, everything else replicated. Parameter names are the
-checkpoint's, with q/k/v stacked as ``qkv_proj`` and gate/up as ``gate_up_proj`` as
+vocab-parallel embedding, everything else replicated. Experts are split like a dense MLP,
+or with ``expert_parallel`` (``ModelContext.expert_parallel``, ``TensorParallel(...,
+expert_parallel=True)``) divided among the ranks whole: rank ``r`` holds experts
+``[r*E/tp, (r+1)*E/tp)`` under their global ids. Parameter names are the checkpoint's,
+with q/k/v stacked as ``qkv_proj`` and gate/up as ``gate_up_proj`` as
 ``stacked_params_mapping`` lists.
 
 Supported ``architectures``: Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral, Qwen2-MoE,

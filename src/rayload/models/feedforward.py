@@ -1,10 +1,20 @@
 """Feed-forward blocks: the gated MLP (Llama's SwiGLU), Mixtral's expert and the sparse
 mixture of experts with its router.
 
-Experts are tensor-parallel like a dense MLP (every rank holds every expert's slice: its
-gate / up rows and its down columns), and the router is replicated, so every rank routes
-every token the same way. Each rank sums its experts' partial products (and the shared
-expert's, for Qwen2-MoE) and the block does one all-reduce.
+The router is replicated and the hidden states are too (attention ends in an all-reduce),
+so every rank routes every token the same way. The experts are shared among the ranks in
+one of two ways (:attr:`~rayload.models.layers.TensorParallel.expert_parallel`):
+
+* tensor parallel: every rank holds every expert's slice (its gate / up rows and its down
+  columns), like a dense MLP, and computes its partial product of every chosen expert;
+* expert parallel (vLLM's convention): rank ``r`` of ``tp`` holds experts
+  ``[r*E/tp, (r+1)*E/tp)`` whole, under their global ids (``experts.5`` is expert 5 on
+  whichever rank holds it), and computes their full output for the tokens routed to them.
+
+Either way each rank's term is the sum of its experts' outputs weighted by the router
+probabilities (plus its slice of the shared expert's, for Qwen2-MoE, which is split like
+a dense MLP in both cases), and the block does one all-reduce: the sum over ranks is the
+whole block's output.
 """
 
 from __future__ import annotations
@@ -140,8 +150,10 @@ class Router(nn.Module):
 
 
 class SparseMoe(nn.Module):
-    """The sparse MoE block: ``gate`` (the router), ``experts.E``, and for Qwen2-MoE the
-    ``shared_expert`` weighted by ``sigmoid(shared_expert_gate(x))`` (gate replicated)."""
+    """The sparse MoE block: ``gate`` (the router), ``experts.E`` for the rank's experts
+    (all of them split, or under expert parallel its block of them whole; ``E`` is always
+    the global id), and for Qwen2-MoE the ``shared_expert`` weighted by
+    ``sigmoid(shared_expert_gate(x))`` (gate replicated)."""
 
     def __init__(
         self,
@@ -156,9 +168,12 @@ class SparseMoe(nn.Module):
         self.tp = tp
         self.gate = Router(hidden_size, spec, dtype=dtype)
         expert = MixtralExpert if spec.mixtral_experts else GatedMLP
-        self.experts = nn.ModuleList(
-            expert(hidden_size, spec.intermediate_size, tp, act, dtype=dtype)
-            for _ in range(spec.num_experts)
+        whole = TensorParallel() if tp.expert_parallel else tp
+        self.experts = nn.ModuleDict(
+            {
+                str(index): expert(hidden_size, spec.intermediate_size, whole, act, dtype=dtype)
+                for index in tp.local_experts(spec.num_experts)
+            }
         )
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: ReplicatedLinear | None = None
@@ -172,8 +187,8 @@ class SparseMoe(nn.Module):
         x = hidden.reshape(-1, hidden.shape[-1])
         weights, chosen = self.gate(x)
         out = torch.zeros_like(x)
-        for index, expert in enumerate(cast("list[Expert]", list(self.experts))):
-            tokens, slot = torch.where(chosen == index)
+        for key, expert in cast("dict[str, Expert]", dict(self.experts)).items():
+            tokens, slot = torch.where(chosen == int(key))
             if tokens.numel():
                 term = expert.partial(x[tokens]) * weights[tokens, slot, None]
                 out.index_add_(0, tokens, term)

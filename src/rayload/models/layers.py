@@ -15,7 +15,10 @@ Communication happens in exactly three places, as in Megatron / vLLM:
 * :class:`ParallelLMHead`: each rank computes the logits of its vocab rows, then they are
   gathered along the last dimension into the full vocab.
 
-With ``tp_size == 1`` none of them communicates.
+With ``tp_size == 1`` none of them communicates. A mixture of experts
+(``feedforward.SparseMoe``) sums its experts' terms before one all-reduce of its own,
+whether its experts are split (tensor parallel) or divided whole among the ranks (expert
+parallel, :attr:`TensorParallel.expert_parallel`).
 """
 
 from __future__ import annotations
@@ -33,19 +36,33 @@ from rayload.models.config import UnsupportedModelError, per_rank
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """Rank ``rank`` of ``size`` and the ``torch.distributed`` group they form.
+    """Rank ``rank`` of ``size``, the ``torch.distributed`` group they form, and how the
+    ranks share a mixture of experts.
 
     ``group`` None means torch's default group (the one ``init_process_group`` made); it
     is only consulted when ``size > 1``, so tp 1 needs no ``torch.distributed`` at all.
+    ``expert_parallel`` False: every rank holds a slice of every expert (split like a dense
+    MLP); True: the experts are divided among the ranks in contiguous blocks, each held
+    whole (:meth:`local_experts`), as vLLM's ``enable_expert_parallel`` with the expert
+    group equal to the tensor-parallel group. Only MoE layers consult it.
     """
 
     rank: int = 0
     size: int = 1
     group: Any = None
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise UnsupportedModelError(f"rank {self.rank} of tp_size {self.size} is not a rank")
+
+    def local_experts(self, num_experts: int) -> range:
+        """The global ids of the experts this rank computes: all of them (each split), or
+        under expert parallel ``[rank*E/size, (rank+1)*E/size)`` (each whole)."""
+        if not self.expert_parallel:
+            return range(num_experts)
+        per = per_rank(num_experts, self.size, "num_experts (expert parallel)")
+        return range(self.rank * per, (self.rank + 1) * per)
 
     def _check_group(self) -> None:
         if self.group is None and not dist.is_initialized():

@@ -64,8 +64,15 @@ def build_model(context: ModelContext) -> torch.nn.Module:
     shard (see :class:`rayload.models.base.CausalLM` for the names); the loader replaces
     each by the shard tensor on ``context.device``. ``context.process_group`` combines the
     ranks' results (None: torch's default group, needed only for ``tp_size > 1``).
+    ``context.expert_parallel``: the MoE layers hold the rank's block of experts whole
+    instead of a slice of every expert (ignored by dense families).
     """
     cls = model_class(context.config)
-    tp = TensorParallel(context.rank, context.tp_size, context.process_group)
+    tp = TensorParallel(
+        context.rank,
+        context.tp_size,
+        context.process_group,
+        expert_parallel=context.expert_parallel,
+    )
     with torch.device("meta"):
         return cls(context.config, tp)
