@@ -82,7 +82,7 @@ def sweep(checkpoint: str, repeat: int = 2) -> int:
     import torch
 
     from rayload.loading import load_rank
-    from rayload.loading.backends import ReaderOptions
+    from rayload.loading.reader import ReaderOptions
 
     _warm_files(checkpoint)
     torch.zeros(1, device="cuda")
@@ -125,7 +125,7 @@ def first(checkpoint: str, threads: list[int]) -> int:
     script = """
 import sys, time, torch
 from rayload.loading import load_rank
-from rayload.loading.backends import ReaderOptions
+from rayload.loading.reader import ReaderOptions
 t0 = time.perf_counter(); torch.zeros(1, device="cuda")
 print(f"first.threads{sys.argv[2]}.cuda_init: {time.perf_counter() - t0:.3f} s")
 options = ReaderOptions(threads=int(sys.argv[2]), chunk_bytes=8 << 20)
@@ -311,9 +311,9 @@ def hybrid(checkpoint: str, repeat: int = 2) -> int:
 
     import torch
 
-    from rayload.loading.backends import ReaderOptions
-    from rayload.loading.backends.reader import read_segments
-    from rayload.loading.backends.readplan import Segment
+    from rayload.loading.reader import ReaderOptions
+    from rayload.loading.reader.readplan import Segment
+    from rayload.loading.reader.reads import read_segments
 
     files = _warm_files(checkpoint)
     total = sum(os.path.getsize(f) for f in files)

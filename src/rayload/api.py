@@ -51,7 +51,14 @@ from rayload.loading.model import ModelContext, ModelFactory
 from rayload.loading.plan import ShardPlan, plan_shards
 from rayload.loading.report import RankReport
 from rayload.loading.rules import resolve_rules
-from rayload.placement import STRATEGIES, RankPlacement, create_placement_group
+from rayload.options import (
+    check_device,
+    check_model_role,
+    check_strategy,
+    check_tp_size,
+    parse_method,
+)
+from rayload.placement import RankPlacement, create_placement_group
 from rayload.placement.group import current_placement
 from rayload.progress import LoadProgress, mixed_method_warnings
 from rayload.tracing import (
@@ -66,7 +73,6 @@ from rayload.tracing import (
 
 log = logging.getLogger(__name__)
 
-DEVICES = ("auto", "cpu", "cuda")
 
 OTLP_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 5.0
@@ -369,23 +375,13 @@ def _validate(
 ) -> str:
     """Check the arguments; return the checkpoint path made absolute (actors may run with
     another working directory)."""
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ConfigError(f"tp_size must be an integer >= 1, got {tp_size!r}")
-    try:
-        LoadMethod(method)
-    except ValueError:
-        choices = ", ".join(m.value for m in LoadMethod)
-        raise ConfigError(f"unknown load method {method!r}; use one of: {choices}") from None
-    if device not in DEVICES:
-        raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
-    if strategy not in STRATEGIES:
-        raise ConfigError(
-            f"unknown placement strategy {strategy!r}; use one of: {', '.join(STRATEGIES)}"
-        )
+    check_tp_size(tp_size)
+    parse_method(method)
+    check_device(device)
+    check_strategy(strategy)
     if not timeout > 0:
         raise ConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
-    if model_role not in ("main", "draft"):
-        raise ConfigError(f"model_role must be 'main' or 'draft', got {model_role!r}")
+    check_model_role(model_role)
     source = os.path.abspath(os.fspath(path))
     if not os.path.exists(source):
         raise CheckpointError(

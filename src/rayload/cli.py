@@ -9,14 +9,13 @@ under ``--debug``.
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NoReturn
 
 from rayload.errors import RayloadError
-from rayload.options import PROCESS_GROUPS
+from rayload.options import DEVICES, PROCESS_GROUPS, STRATEGIES
 
 log = logging.getLogger(__name__)
 
@@ -184,35 +183,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 1 if result["consistency"] else 0
 
 
-class _Choices(Collection[str]):
-    """The valid values of an option, read from the constant of the code that checks them
-    (``module.name``) the first time argparse looks: to check a value given, or to write
-    ``--help``. ``rayload.api`` and ``rayload.placement`` import Ray, which the Ray-free
-    commands (``inspect``, ``plan``, ...) must not pay for; ``drop`` leaves values out."""
-
-    def __init__(self, module: str, name: str, *, drop: Collection[str] = ()) -> None:
-        self._module, self._name, self._drop = module, name, drop
-        self._values: tuple[str, ...] | None = None
-
-    def _loaded(self) -> tuple[str, ...]:
-        if self._values is None:
-            values = getattr(importlib.import_module(self._module), self._name)
-            self._values = tuple(str(v) for v in values if str(v) not in self._drop)
-        return self._values
-
-    def __contains__(self, value: object) -> bool:
-        return value in self._loaded()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._loaded())
-
-    def __len__(self) -> int:
-        return len(self._loaded())
-
-
-_DEVICES = _Choices("rayload.options", "DEVICES")
 _PROCESS_GROUPS = (*PROCESS_GROUPS, "none")
-_STRATEGIES = _Choices("rayload.placement", "STRATEGIES")
 
 _QUICK = {"size_gb": 0.25, "preset": "tiny-llama", "repeat": 1}
 """What ``rayload bench --quick`` sets (explicit options still win)."""
@@ -393,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--device",
         default="auto",
-        choices=_DEVICES,
+        choices=DEVICES,
         metavar="DEVICE",
         help="where the weights go: %(choices)s; auto: the rank's GPU when Ray gave it one, "
         "else cpu (default: %(default)s)",
@@ -412,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--placement-strategy",
         default="STRICT_PACK",
-        choices=_STRATEGIES,
+        choices=STRATEGIES,
         metavar="STRATEGY",
         help="placement group strategy: %(choices)s; inside a Ray Serve replica its own "
         "group is used (default: %(default)s)",
@@ -508,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--device",
-        choices=_Choices("rayload.api", "DEVICES", drop=("auto",)),
+        choices=[d for d in DEVICES if d != "auto"],
         metavar="DEVICE",
         help=f"where ranks load: %(choices)s (default: {bench.device})",
     )

@@ -8,7 +8,12 @@ paying for either.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rayload.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rayload.loading.methods import LoadMethod
 
 DEVICES = ("auto", "cpu", "cuda")
 """``device=`` / ``--device``: the rank's GPU when Ray gave it one (auto), cpu or cuda."""
@@ -18,6 +23,9 @@ PROCESS_GROUPS = ("auto", "gloo", "nccl")
 
 MODEL_ROLES = ("main", "draft")
 """``model_role=``: the model a load is for (a draft model for speculative decoding)."""
+
+STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+"""Ray placement group strategies a load's group may use."""
 
 
 def check_tp_size(tp_size: object) -> int:
@@ -46,3 +54,24 @@ def check_device(device: object) -> str:
     if device not in DEVICES:
         raise ConfigError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
     return str(device)
+
+
+def check_strategy(strategy: object) -> str:
+    """``strategy`` as a str; ConfigError unless it is one of :data:`STRATEGIES`."""
+    if strategy not in STRATEGIES:
+        raise ConfigError(
+            f"unknown placement strategy {strategy!r}; use one of: {', '.join(STRATEGIES)}"
+        )
+    return str(strategy)
+
+
+def parse_method(method: object) -> LoadMethod:
+    """``method`` as a :class:`~rayload.loading.methods.LoadMethod`; ConfigError listing
+    the valid values if unknown."""
+    from rayload.loading.methods import LoadMethod
+
+    try:
+        return LoadMethod(method)
+    except ValueError:
+        valid = ", ".join(m.value for m in LoadMethod)
+        raise ConfigError(f"unknown load method {method!r}; valid values: {valid}") from None

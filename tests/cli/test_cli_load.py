@@ -19,7 +19,7 @@ from rayload.cli import main
     ("argv", "message"),
     [
         (["--tp", "2"], "no such checkpoint"),
-        (["--tp", "0"], "tp_size must be an integer >= 1"),
+        (["--tp", "0"], "tp_size must be a positive integer, got 0"),
         (["--tp", "2", "--method", "teleport"], "unknown load method 'teleport'"),
         (["--tp", "2", "--timeout", "0"], "timeout must be > 0"),
     ],

@@ -16,15 +16,15 @@ import torch
 from safetensors.torch import save_file
 
 from rayload.errors import CheckpointError, ConfigError
-from rayload.loading.backends import BACKENDS, Backend, ReaderOptions, register
-from rayload.loading.backends.base import ReadSettings
+from rayload.loading.backends import BACKENDS, Backend, register
 from rayload.loading.backends.fastsafetensors import FastsafetensorsGdrBackend
-from rayload.loading.backends.reader import read_segments
-from rayload.loading.backends.readplan import Segment, plan_reads, shard_segments
 from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.methods import LoadMethod
 from rayload.loading.plan import ByteRange, RankPlan, RowRanges, TensorShard, plan_shards
 from rayload.loading.probe import EnvProbe, probe_environment
+from rayload.loading.reader import ReaderOptions, ReadSettings
+from rayload.loading.reader.readplan import Segment, plan_reads, shard_segments
+from rayload.loading.reader.reads import read_segments
 from rayload.loading.report import PHASES, PhaseTimer
 from support.reading import bytes_to_read
 

@@ -15,13 +15,21 @@ from rayload.errors import CheckpointError, InputError
 from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.header import MAX_HEADER_BYTES
 from rayload.loading.manifest import MANIFEST_NAME, file_entry, verify_file_checksum
+from rayload.loading.plan import plan_shards
 
 F32x2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
 
 
-def _expect(path: Path, *, file: Path, tensor: str | None, match: str) -> CheckpointError:
+def _expect(
+    path: Path, *, file: Path, tensor: str | None, match: str, tp: int | None = None
+) -> CheckpointError:
+    """``open_checkpoint`` (or, with ``tp``, planning for it) raises the CheckpointError
+    naming ``file`` and ``tensor``."""
     with pytest.raises(CheckpointError, match=match) as info:
-        open_checkpoint(path)
+        if tp is None:
+            open_checkpoint(path)
+        else:
+            plan_shards(path, tp)
     assert isinstance(info.value, InputError)
     assert info.value.file == str(file)
     assert str(file) in str(info.value)
@@ -303,14 +311,20 @@ def test_rank_file_of_wrong_size_is_reported(converted: Path) -> None:
     _expect(converted, file=path, tensor=None, match="bytes but .* says")
 
 
-def test_rank_shard_shape_contradicting_manifest_is_reported(converted: Path) -> None:
-    path = _edit_manifest(converted, lambda m: m["full_shapes"].update({"model.norm.weight": [7]}))
-    del path
+@pytest.mark.parametrize("key", ["full_shapes", "shard_shapes"])
+def test_rank_shard_shape_contradicting_manifest_is_reported(converted: Path, key: str) -> None:
+    def edit(manifest: dict[str, Any]) -> None:
+        if key == "full_shapes":
+            manifest.pop("shard_shapes", None)  # a manifest from before shard shapes
+        manifest[key] = {**(manifest.get(key) or {}), "model.norm.weight": [7]}
+
+    _edit_manifest(converted, edit)
     _expect(
         converted,
         file=converted / "model-rank-0-part-0.safetensors",
         tensor="model.norm.weight",
         match="manifest's full shape",
+        tp=2,
     )
 
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rayload.errors import ConfigError
-
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
+from rayload.options import check_device
 
 LOCAL_CUDA_DEVICE = "cuda:0"
 
@@ -26,8 +25,7 @@ def resolve_device(
     missing). ``gpu_ids`` are the ids Ray assigned the actor (``ray.get_gpu_ids()``);
     ``cuda_device_count`` is what torch sees in the actor's process.
     """
-    if requested not in DEVICE_CHOICES:
-        raise ConfigError(f"device must be one of {DEVICE_CHOICES}, got {requested!r}")
+    check_device(requested)
     if requested == "cpu":
         return "cpu"
     has_gpu = bool(gpu_ids) and cuda_device_count > 0

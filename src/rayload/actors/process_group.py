@@ -23,11 +23,12 @@ from typing import Any
 
 from rayload.errors import ConfigError
 from rayload.loading.report import PhaseTimer
+from rayload.options import PROCESS_GROUPS
 from rayload.tracing.schema import PROCESS_GROUP_SPAN
 
 log = logging.getLogger(__name__)
 
-PROCESS_GROUP_CHOICES = ("auto", "gloo", "nccl")
+PROCESS_GROUP_CHOICES = PROCESS_GROUPS
 """What ``load(process_group=...)`` accepts, besides None (no group)."""
 
 LOOPBACK = "127.0.0.1"

@@ -217,7 +217,7 @@ def _rank_tensors(
     rank: int, headers: list[FileHeader], manifest: Manifest, manifest_path: str
 ) -> dict[str, TensorInfo]:
     """Rank ``rank``'s tensors across its files, checked against the manifest: each one
-    listed there and shaped as its split of the full shape says."""
+    listed there, once, on the rank that owns it (the planner checks their shapes)."""
     tensors: dict[str, TensorInfo] = {}
     for header in headers:
         for name, info in header.tensors.items():
@@ -243,15 +243,6 @@ def _rank_tensors(
                     file=info.file,
                     tensor=name,
                 )
-            expected = _expected_shard_shape(manifest, name)
-            if info.shape != expected:
-                raise CheckpointError(
-                    f"{info.file}: tensor {name!r} of rank {rank} has shape {list(info.shape)}, "
-                    f"but the manifest's full shape and split give {list(expected)}; "
-                    f"re-run `rayload convert`",
-                    file=info.file,
-                    tensor=name,
-                )
             tensors[name] = info
     if missing := sorted(manifest.rank_names(rank) - tensors.keys()):
         raise CheckpointError(
@@ -261,33 +252,6 @@ def _rank_tensors(
             tensor=missing[0],
         )
     return tensors
-
-
-def _expected_shard_shape(manifest: Manifest, name: str) -> tuple[int, ...]:
-    if manifest.shard_shapes is not None and name in manifest.shard_shapes:
-        return tuple(manifest.shard_shapes[name])
-    return shard_shape(tuple(manifest.full_shapes[name]), manifest.splits[name], manifest.tp_size)
-
-
-def check_converted_tp(root: str, converted_tp: int | None, tp_size: int) -> None:
-    """CheckpointError naming the manifest when the checkpoint at ``root`` was converted
-    (``converted_tp`` is not None) for another tp size than ``tp_size``."""
-    if converted_tp is not None and converted_tp != tp_size:
-        manifest = os.path.join(root, MANIFEST_NAME)
-        raise CheckpointError(
-            f"{manifest}: checkpoint was converted for tp_size={converted_tp}, not "
-            f"{tp_size}; load it with --tp {converted_tp} or convert the original "
-            f"checkpoint again with `rayload convert SRC OUT --tp {tp_size}`",
-            file=manifest,
-        )
-
-
-def shard_shape(full_shape: tuple[int, ...], split: int | None, tp_size: int) -> tuple[int, ...]:
-    """The shape of one rank's shard of a ``full_shape`` tensor cut on ``split``
-    (divisibility is the caller's check)."""
-    if split is None or split >= len(full_shape):
-        return full_shape
-    return (*full_shape[:split], full_shape[split] // tp_size, *full_shape[split + 1 :])
 
 
 def _read_weight_map(index_path: str) -> dict[str, str]:

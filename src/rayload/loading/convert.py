@@ -26,10 +26,6 @@ from typing import BinaryIO
 import torch
 
 from rayload.errors import CheckpointError, ConfigError
-from rayload.loading.backends.base import ReaderOptions
-from rayload.loading.backends.reader import read_segments
-from rayload.loading.backends.readplan import shard_segments
-from rayload.loading.backends.sinks import host_view
 from rayload.loading.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from rayload.loading.dtypes import DTYPES
 from rayload.loading.manifest import (
@@ -42,6 +38,10 @@ from rayload.loading.manifest import (
 )
 from rayload.loading.output import writing_to
 from rayload.loading.plan import RankPlan, ShardPlan, TensorShard, plan_shards
+from rayload.loading.reader import ReaderOptions
+from rayload.loading.reader.readplan import shard_segments
+from rayload.loading.reader.reads import read_segments
+from rayload.loading.reader.sinks import host_view
 from rayload.loading.rules import RulesArg, RuleSet, resolve_rules
 
 log = logging.getLogger(__name__)

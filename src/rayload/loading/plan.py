@@ -26,18 +26,15 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import overload
 
-from rayload.errors import ConfigError, ShardingError
-from rayload.loading.checkpoint import (
-    Checkpoint,
-    TensorInfo,
-    check_converted_tp,
-    open_checkpoint,
-)
+from rayload.errors import CheckpointError, ConfigError, ShardingError
+from rayload.loading.checkpoint import Checkpoint, TensorInfo, open_checkpoint
 from rayload.loading.dtypes import ITEMSIZE
 from rayload.loading.experts import expert_layout
 from rayload.loading.heads import HeadError, HeadLayout, Piece, kv_replicas, rank_pieces
+from rayload.loading.manifest import MANIFEST_NAME, Manifest
 from rayload.loading.rules import Rule, RulesArg, RuleSet, resolve_rules, unused_rule_message
 from rayload.loading.scales import block_size, is_scale, scale_pieces, scaled_weight
+from rayload.options import check_tp_size
 
 log = logging.getLogger(__name__)
 
@@ -258,8 +255,7 @@ def plan_shards(
     rules cannot split ``tp_size`` ways, CheckpointError for a bad checkpoint or one
     converted for another tp size.
     """
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ConfigError(f"tp_size must be a positive integer, got {tp_size!r}")
+    check_tp_size(tp_size)
     checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     if checkpoint.layout == "converted":
         return _plan_converted(checkpoint, tp_size, rules, expert_parallel)
@@ -417,6 +413,8 @@ def _plan_converted(
             checkpoint.rank_files[rank], checkpoint.rank_tensors(rank).values()
         )
         dtypes.update((t.name, t.dtype) for t in tensors)
+        for t in tensors:
+            _check_converted_shape(t, manifest, rank)
         shards = tuple(
             TensorShard(
                 name=t.name,
@@ -445,6 +443,47 @@ def _plan_converted(
         else (),
         block_size=tuple(manifest.block_size) if manifest.block_size else None,
     )
+
+
+def _check_converted_shape(info: TensorInfo, manifest: Manifest, rank: int) -> None:
+    """CheckpointError naming the file and tensor when a converted rank file holds a tensor
+    of another shape than its manifest says (its shard shape, or the full shape cut evenly
+    on its split for manifests written before shard shapes were recorded)."""
+    if manifest.shard_shapes is not None and info.name in manifest.shard_shapes:
+        expected = tuple(manifest.shard_shapes[info.name])
+    else:
+        expected = shard_shape(
+            tuple(manifest.full_shapes[info.name]), manifest.splits[info.name], manifest.tp_size
+        )
+    if info.shape != expected:
+        raise CheckpointError(
+            f"{info.file}: tensor {info.name!r} of rank {rank} has shape {list(info.shape)}, "
+            f"but the manifest's full shape and split give {list(expected)}; "
+            f"re-run `rayload convert`",
+            file=info.file,
+            tensor=info.name,
+        )
+
+
+def check_converted_tp(root: str, converted_tp: int | None, tp_size: int) -> None:
+    """CheckpointError naming the manifest when the checkpoint at ``root`` was converted
+    (``converted_tp`` is not None) for another tp size than ``tp_size``."""
+    if converted_tp is not None and converted_tp != tp_size:
+        manifest = os.path.join(root, MANIFEST_NAME)
+        raise CheckpointError(
+            f"{manifest}: checkpoint was converted for tp_size={converted_tp}, not "
+            f"{tp_size}; load it with --tp {converted_tp} or convert the original "
+            f"checkpoint again with `rayload convert SRC OUT --tp {tp_size}`",
+            file=manifest,
+        )
+
+
+def shard_shape(full_shape: tuple[int, ...], split: int | None, tp_size: int) -> tuple[int, ...]:
+    """The shape of one rank's shard of a ``full_shape`` tensor cut evenly on ``split``
+    (divisibility is the caller's check)."""
+    if split is None or split >= len(full_shape):
+        return full_shape
+    return (*full_shape[:split], full_shape[split] // tp_size, *full_shape[split + 1 :])
 
 
 def _in_file_order(files: tuple[str, ...], tensors: Iterable[TensorInfo]) -> list[TensorInfo]:

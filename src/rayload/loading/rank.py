@@ -16,21 +16,21 @@ from collections.abc import Callable
 
 import torch
 
-from rayload.errors import ConfigError, MethodUnavailableError
-from rayload.loading.backends import BACKENDS, ReaderOptions
+from rayload.errors import MethodUnavailableError
+from rayload.loading.backends import BACKENDS
 from rayload.loading.checkpoint import Checkpoint, open_checkpoint
 from rayload.loading.manifest import verify_file_checksum
 from rayload.loading.methods import LoadMethod, MethodReport
 from rayload.loading.plan import plan_shards
 from rayload.loading.probe import EnvProbe, probe_environment
+from rayload.loading.reader import ReaderOptions
 from rayload.loading.report import PhaseTimer, RankReport
-from rayload.loading.resolve import LayoutInfo, log_fallback, parse_method, resolve_method
+from rayload.loading.resolve import LayoutInfo, log_fallback, resolve_method
 from rayload.loading.rules import RulesArg
+from rayload.options import check_model_role, check_rank, check_tp_size, parse_method
 
 PostLoad = Callable[[dict[str, torch.Tensor]], object]
 """Post-load work on the loaded tensors (e.g. weight processing); its result is ignored."""
-
-_MODEL_ROLES = ("main", "draft")
 
 _MAY_USE_FASTSAFETENSORS = frozenset(
     {LoadMethod.AUTO, LoadMethod.FASTSAFETENSORS, LoadMethod.FASTSAFETENSORS_GDR}
@@ -74,7 +74,9 @@ def load_rank(
     """
     timer = timer if timer is not None else PhaseTimer()
     start_ns = timer.clock()
-    _check_rank(rank, tp_size, model_role)
+    check_tp_size(tp_size)
+    check_rank(rank, tp_size)
+    check_model_role(model_role)
     with timer.phase("rank.resolve", tp_size=tp_size, model_role=model_role) as attrs:
         checkpoint = open_checkpoint(path)
         requested = parse_method(method)
@@ -156,14 +158,3 @@ def _verify_rank_files(checkpoint: Checkpoint, rank: int) -> int:
     for path in files:
         verify_file_checksum(path, checkpoint.manifest.files[os.path.basename(path)])
     return len(files)
-
-
-def _check_rank(rank: int, tp_size: int, model_role: str) -> None:
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ConfigError(f"tp_size must be a positive integer, got {tp_size!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp_size:
-        raise ConfigError(f"rank must be in 0..{tp_size - 1} for tp_size {tp_size}, got {rank!r}")
-    if model_role not in _MODEL_ROLES:
-        raise ConfigError(
-            f"model_role must be one of {', '.join(_MODEL_ROLES)}, got {model_role!r}"
-        )

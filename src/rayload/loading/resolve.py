@@ -14,10 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from rayload.errors import ConfigError, MethodUnavailableError
-from rayload.loading.checkpoint import Checkpoint, Layout, check_converted_tp
+from rayload.loading.checkpoint import Checkpoint, Layout
 from rayload.loading.manifest import MANIFEST_NAME
 from rayload.loading.methods import LoadMethod
+from rayload.loading.plan import check_converted_tp
 from rayload.loading.probe import EnvProbe
+from rayload.options import parse_method
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +58,6 @@ class Resolution:
     device: str
     reason: str
     fallback_reason: str | None = None
-
-
-def parse_method(method: LoadMethod | str) -> LoadMethod:
-    """``method`` as a :class:`LoadMethod`; ConfigError listing the valid values if unknown."""
-    try:
-        return LoadMethod(method)
-    except ValueError:
-        valid = ", ".join(m.value for m in LoadMethod)
-        raise ConfigError(f"unknown load method {method!r}; valid values: {valid}") from None
 
 
 def resolve_device(device: str | torch.device, probe: EnvProbe) -> str:

@@ -3,9 +3,9 @@ Ray Serve replica."""
 
 from __future__ import annotations
 
+from rayload.options import STRATEGIES
 from rayload.placement.bundles import (
     DEFAULT_CPUS_PER_RANK,
-    STRATEGIES,
     RankResources,
     bundle_index,
     rank_bundles,

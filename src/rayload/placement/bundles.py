@@ -13,10 +13,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from rayload.errors import ConfigError
+from rayload.options import check_strategy, check_tp_size
 
 Bundle = Mapping[str, float]
 
-STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
 DEFAULT_CPUS_PER_RANK = 0.01
 """CPU reserved per rank. A rank mostly waits on storage and the device; reserving whole
@@ -39,8 +39,7 @@ def rank_bundles(
     tp_size: int, *, use_gpus: bool, cpus_per_rank: float = DEFAULT_CPUS_PER_RANK
 ) -> list[dict[str, float]]:
     """One bundle per rank: ``{"CPU": cpus_per_rank, "GPU": 1}`` with GPUs, else CPU only."""
-    if tp_size < 1:
-        raise ConfigError(f"tp_size must be >= 1, got {tp_size}")
+    check_tp_size(tp_size)
     if cpus_per_rank <= 0:
         raise ConfigError(f"cpus_per_rank must be > 0, got {cpus_per_rank}")
     bundle = {"CPU": float(cpus_per_rank)}
@@ -94,8 +93,7 @@ def unmet_resources(
     per bundle; ``PACK``/``SPREAD`` need each bundle to fit some node and the sum to fit the
     cluster. Greedy first-fit is used for ``STRICT_SPREAD``, good enough for equal bundles.
     """
-    if strategy not in STRATEGIES:
-        raise ConfigError(f"unknown placement strategy {strategy!r}; use one of {STRATEGIES}")
+    check_strategy(strategy)
     total = _sum(bundles)
     if strategy == "STRICT_PACK":
         if not any(_fits(total, node) for node in nodes):

@@ -5,19 +5,12 @@ machinery (fastsafetensors, CUDA) is imported only when a backend runs."""
 from __future__ import annotations
 
 from rayload.loading.backends import converted, dummy, fastsafetensors, scratch
-from rayload.loading.backends.base import (
-    BACKENDS,
-    Backend,
-    BackendResult,
-    ReaderOptions,
-    register,
-)
+from rayload.loading.backends.base import BACKENDS, Backend, BackendResult, register
 
 __all__ = [
     "BACKENDS",
     "Backend",
     "BackendResult",
-    "ReaderOptions",
     "converted",
     "dummy",
     "fastsafetensors",

@@ -12,7 +12,6 @@ classes sharing a base.
 from __future__ import annotations
 
 import logging
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,62 +25,10 @@ from rayload.loading.dtypes import torch_dtype
 from rayload.loading.methods import LoadMethod
 from rayload.loading.plan import RankPlan
 from rayload.loading.probe import EnvProbe
+from rayload.loading.reader import ReaderOptions
 from rayload.loading.report import PhaseTimer
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ReaderOptions:
-    """How rayload's own reader (scratch, converted, convert) reads files.
-
-    Memory stays bounded by ``threads * chunk_bytes`` of reads in flight (plus a 1 MiB
-    bounce buffer per thread for closely strided split-1 rows and, on CUDA,
-    ``staging_buffers * chunk_bytes`` of pinned host memory), whatever the shard size.
-    """
-
-    threads: int | None = None
-    """Reader threads issuing positional reads in parallel. None: 4 for host
-    destinations; for CUDA destinations one per CPU this process may run on, 4 to 12.
-    A GPU load from the page cache is bound by the threads' copies out of the page cache
-    into pinned memory: on 16-core H200 hosts, 8 GB went at 12-17 GB/s with 4 threads,
-    24-28 GB/s with 8 or 12, and no faster (on one host slower) with 16
-    (docs/benchmarks.md)."""
-    chunk_bytes: int | None = None
-    """The most bytes one read request covers; large tensors are split into chunks so
-    they are read in parallel, and small file-contiguous tensors are merged up to it.
-    None: 32 MiB for host destinations, 8 MiB for CUDA ones, where each read in flight
-    holds a pinned staging buffer of this size: page-locking new memory is slow (with
-    576 MiB of 32 MiB buffers a fresh process took 0.44 s longer than a warmed one on the
-    H200 host), and 8 MiB reads were as fast as 32 MiB ones there with 12 or 16 threads."""
-    staging_buffers: int = 0
-    """Pinned host buffers of ``chunk_bytes`` for host-to-device copies; 0 means
-    ``threads + 2`` (every thread busy while the oldest two chunks are being copied)."""
-
-    def __post_init__(self) -> None:
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.chunk_bytes is not None and self.chunk_bytes < 4096:
-            raise ValueError(f"chunk_bytes must be >= 4096, got {self.chunk_bytes}")
-        if self.staging_buffers < 0:
-            raise ValueError(f"staging_buffers must be >= 0, got {self.staging_buffers}")
-
-    def for_device(self, device: torch.device) -> ReadSettings:
-        """These options decided for reading into ``device``."""
-        cuda = device.type == "cuda"
-        threads = self.threads or (min(12, max(4, len(os.sched_getaffinity(0)))) if cuda else 4)
-        chunk = self.chunk_bytes or ((8 if cuda else 32) << 20)
-        return ReadSettings(threads, chunk, self.staging_buffers or threads + 2)
-
-
-@dataclass(frozen=True)
-class ReadSettings:
-    """:class:`ReaderOptions` decided for one destination device."""
-
-    threads: int
-    chunk_bytes: int
-    window: int
-    """Reads in flight at once (on CUDA, one pinned staging buffer each)."""
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,6 @@ import torch
 
 from rayload.errors import CheckpointError, ConfigError
 from rayload.loading.backends.base import Backend, BackendResult, register
-from rayload.loading.backends.reader import read_segments, shard_tensors
-from rayload.loading.backends.readplan import Read, Segment, shard_segments
-from rayload.loading.checkpoint import check_converted_tp
 from rayload.loading.manifest import (
     MANIFEST_NAME,
     Crc32,
@@ -27,7 +24,9 @@ from rayload.loading.manifest import (
     verify_file_checksum,
 )
 from rayload.loading.methods import LoadMethod
-from rayload.loading.plan import RankPlan
+from rayload.loading.plan import RankPlan, check_converted_tp
+from rayload.loading.reader.readplan import Read, Segment, shard_segments
+from rayload.loading.reader.reads import read_segments, shard_tensors
 from rayload.loading.report import PhaseTimer
 
 

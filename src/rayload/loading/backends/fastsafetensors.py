@@ -25,9 +25,9 @@ import torch
 
 from rayload.errors import CheckpointError, RayloadError
 from rayload.loading.backends.base import Backend, BackendResult, register, synchronize
-from rayload.loading.backends.reader import truncated_error, unreadable_error
 from rayload.loading.methods import LoadMethod
 from rayload.loading.plan import RankPlan, TensorShard
+from rayload.loading.reader.reads import truncated_error, unreadable_error
 from rayload.loading.report import PhaseTimer
 
 log = logging.getLogger(__name__)

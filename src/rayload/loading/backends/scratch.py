@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from rayload.loading.backends.base import Backend, BackendResult, register
-from rayload.loading.backends.reader import read_segments, shard_tensors
-from rayload.loading.backends.readplan import shard_segments
 from rayload.loading.methods import LoadMethod
 from rayload.loading.plan import RankPlan
+from rayload.loading.reader.readplan import shard_segments
+from rayload.loading.reader.reads import read_segments, shard_tensors
 from rayload.loading.report import PhaseTimer
 
 

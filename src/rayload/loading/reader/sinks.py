@@ -14,8 +14,8 @@ from typing import Protocol
 
 import torch
 
-from rayload.loading.backends.base import ReadSettings
-from rayload.loading.backends.readplan import Batch
+from rayload.loading.reader.options import ReadSettings
+from rayload.loading.reader.readplan import Batch
 
 Views = list[list[memoryview]]
 """Per read of a batch, the buffers ``os.preadv`` fills."""

@@ -1,9 +1,9 @@
 """rayload's own file reader: parallel positional reads of exact byte ranges into
 preallocated destinations, with bounded memory.
 
-What is read into where is planned by :mod:`~rayload.loading.backends.readplan`; where
+What is read into where is planned by :mod:`~rayload.loading.reader.readplan`; where
 the bytes land (host buffers, or pinned staging + host-to-device copies) is a sink of
-:mod:`~rayload.loading.backends.sinks`.
+:mod:`~rayload.loading.reader.sinks`.
 
 :func:`run_reads` executes the batches on a thread pool, at most ``window`` in flight,
 and releases each finished batch to its sink in order. An ``on_read`` hook runs on the
@@ -26,11 +26,11 @@ import torch
 from numpy.lib.stride_tricks import as_strided
 
 from rayload.errors import CheckpointError
-from rayload.loading.backends.base import ReaderOptions, ReadSettings
-from rayload.loading.backends.readplan import Batch, Read, Segment, batch_reads, plan_reads
-from rayload.loading.backends.sinks import HostSink, Sink, StagedDeviceSink, Views, host_view
 from rayload.loading.dtypes import torch_dtype
 from rayload.loading.plan import TensorShard
+from rayload.loading.reader.options import ReaderOptions, ReadSettings
+from rayload.loading.reader.readplan import Batch, Read, Segment, batch_reads, plan_reads
+from rayload.loading.reader.sinks import HostSink, Sink, StagedDeviceSink, Views, host_view
 
 ReadHook = Callable[["Read", list[memoryview]], None]
 """Called with each read and the buffers it filled, on the reader thread, right after the
