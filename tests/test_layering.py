@@ -28,9 +28,6 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "rayload"
 
-KNOWN_CYCLE = ("rayload.api", "rayload.actors.startup", "rayload.progress")
-"""api -> actors.startup -> progress -> api (progress names api's ``LoadResult`` for its
-type hints), being fixed; its test is marked xfail(strict) so it flips when it is gone."""
 
 RAY_FREE_PACKAGE = "rayload.loading"
 FORBIDDEN_IN_RAY_FREE = ("ray", "rayload.actors")
@@ -288,16 +285,6 @@ def test_walker_sees_the_package() -> None:
     assert any(i.source == "rayload.api" and i.target == "ray" for i in imports)
 
 
-def test_module_level_imports_have_no_cycle_but_the_known_one() -> None:
-    """Any cycle other than exactly the known one fails here at once (and a cycle that
-    grows out of the known one too)."""
-    others = {c: path for c, path in _cycles().items() if c != frozenset(KNOWN_CYCLE)}
-    assert not others, "import cycles among module-level imports:\n" + "\n".join(others.values())
-
-
-@pytest.mark.xfail(
-    strict=True, reason="known cycle api -> actors.startup -> progress -> api, being fixed"
-)
 def test_module_level_imports_have_no_cycle() -> None:
     cycles = _cycles()
     assert not cycles, "import cycles among module-level imports:\n" + "\n".join(cycles.values())

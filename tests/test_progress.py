@@ -2,9 +2,10 @@ from __future__ import annotations
 
 import io
 
+from rayload.cli_output import LineProgress, format_rank_table
 from rayload.loading.methods import LoadMethod, MethodReport
-from rayload.loading.report import RankReport
-from rayload.progress import LineProgress, LoadProgress, format_rank_table, mixed_method_warnings
+from rayload.loading.report import RankReport, mixed_method_warnings
+from rayload.progress import LoadProgress
 
 SCRATCH = LoadMethod.SCRATCH
 

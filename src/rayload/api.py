@@ -38,7 +38,6 @@ from rayload.actors.hooks import hooks_from_env
 from rayload.actors.process_group import check_process_group
 from rayload.actors.records import Applied, LoadRequest, RankState
 from rayload.actors.startup import (
-    ProgressCallback,
     load_ranks,
     plan_process_group,
     spawn_ranks,
@@ -49,7 +48,7 @@ from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.methods import LoadMethod
 from rayload.loading.model import ModelContext, ModelFactory
 from rayload.loading.plan import ShardPlan, plan_shards
-from rayload.loading.report import RankReport
+from rayload.loading.report import RankReport, mixed_method_warnings
 from rayload.loading.rules import resolve_rules
 from rayload.options import (
     check_device,
@@ -60,7 +59,7 @@ from rayload.options import (
 )
 from rayload.placement import RankPlacement, create_placement_group
 from rayload.placement.group import current_placement
-from rayload.progress import LoadProgress, mixed_method_warnings
+from rayload.progress import LoadProgress, ProgressCallback
 from rayload.tracing import (
     StartupTrace,
     export_otlp,
@@ -475,4 +474,4 @@ def _notify(progress: ProgressCallback | None, event: LoadProgress) -> None:
         progress(event)
 
 
-__all__ = ["LoadResult", "ModelContext", "RankState", "load"]
+__all__ = ["LoadProgress", "LoadResult", "ModelContext", "ProgressCallback", "RankState", "load"]

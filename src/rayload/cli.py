@@ -89,7 +89,7 @@ def _cmd_load(args: argparse.Namespace) -> int:
     import json
 
     from rayload.api import load
-    from rayload.progress import LineProgress, load_json, load_summary
+    from rayload.cli_output import LineProgress, load_json, load_summary
 
     # Ray's driver prints worker-death notices to stdout; while Ray runs, stdout is sent to
     # stderr so stdout carries only rayload's own output (one JSON object with --json).
@@ -125,9 +125,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     import ray
 
     from rayload.api import load
+    from rayload.cli_output import LineProgress, load_summary
     from rayload.loading.describe import human_bytes
     from rayload.loading.synthetic import write_checkpoint
-    from rayload.progress import LineProgress, load_summary
 
     trace_dir = os.path.abspath(args.trace_dir)
     with tempfile.TemporaryDirectory(prefix="rayload-demo-") as tmp:

@@ -22,10 +22,8 @@ from rayload.actors.process_group import (
 )
 from rayload.actors.records import LoadRequest, RankOutcome
 from rayload.loading.report import RankReport
-from rayload.progress import LoadProgress
+from rayload.progress import LoadProgress, ProgressCallback
 from rayload.tracing import StartupTrace, schema
-
-ProgressCallback = Callable[[LoadProgress], None]
 
 
 def spawn_ranks(

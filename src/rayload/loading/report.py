@@ -8,7 +8,7 @@ spans.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -100,3 +100,34 @@ class RankReport:
             "tensors": self.tensors,
             "seconds": round(self.seconds, 6),
         }
+
+
+def mixed_method_warnings(reports: Sequence[RankReport]) -> list[str]:
+    """Warnings for a load whose ranks did not all run the same way: different effective
+    methods or devices across ranks, or any fallback (shown as requested -> selected ->
+    effective, repeats dropped, with the reason). Empty when every rank agrees."""
+    warnings: list[str] = []
+    by_method: dict[str, list[int]] = {}
+    by_device: dict[str, list[int]] = {}
+    for report in reports:
+        by_method.setdefault(report.method.effective.value, []).append(report.rank)
+        by_device.setdefault(report.device, []).append(report.rank)
+    if len(by_method) > 1:
+        warnings.append(f"ranks loaded with different methods: {_groups(by_method)}")
+    if len(by_device) > 1:
+        warnings.append(f"ranks loaded onto different devices: {_groups(by_device)}")
+    for report in reports:
+        method = report.method
+        if method.fallback_reason:
+            chain = [method.requested.value]
+            for step in (method.selected.value, method.effective.value):
+                if step != chain[-1]:
+                    chain.append(step)
+            warnings.append(
+                f"rank {report.rank} fell back: {' -> '.join(chain)}: {method.fallback_reason}"
+            )
+    return warnings
+
+
+def _groups(ranks_by_value: dict[str, list[int]]) -> str:
+    return "; ".join(f"{value} on ranks {ranks}" for value, ranks in ranks_by_value.items())
