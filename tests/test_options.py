@@ -46,11 +46,11 @@ def test_bad_model_role_same_message_everywhere(tiny_llama: Path) -> None:
 
 
 def test_bad_device_and_strategy_same_message_in_api_and_actor_side(tiny_llama: Path) -> None:
-    from rayload.actors.device import resolve_device
+    from rayload.actors.device import rank_device
 
     want = "device must be one of auto, cpu, cuda, got 'tpu'"
     assert _message(rayload.load, tiny_llama, 2, device="tpu") == want
-    assert _message(resolve_device, "tpu", gpu_ids=(), cuda_device_count=0, rank=0) == want
+    assert _message(rank_device, "tpu", gpu_ids=(), cuda_device_count=0, rank=0) == want
     want = "unknown placement strategy 'DIAGONAL'; use one of: STRICT_PACK, PACK, SPREAD"
     assert _message(rayload.load, tiny_llama, 2, placement_strategy="DIAGONAL").startswith(want)
     from rayload.placement.bundles import unmet_resources

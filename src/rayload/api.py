@@ -33,16 +33,16 @@ from typing import Any
 
 import ray
 
-from rayload.actors.group import RankActorGroup
 from rayload.actors.hooks import hooks_from_env
-from rayload.actors.process_group import check_process_group
-from rayload.actors.records import Applied, LoadRequest, RankState
-from rayload.actors.startup import (
+from rayload.actors.launch import (
     load_ranks,
     plan_process_group,
     spawn_ranks,
     spawn_seconds,
 )
+from rayload.actors.messages import Applied, LoadRequest, RankState
+from rayload.actors.process_group import check_process_group
+from rayload.actors.rank_group import RankActorGroup
 from rayload.errors import CheckpointError, ConfigError, RankFailedError
 from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.methods import LoadMethod
@@ -58,7 +58,7 @@ from rayload.options import (
     parse_method,
 )
 from rayload.placement import RankPlacement, create_placement_group
-from rayload.placement.group import current_placement
+from rayload.placement.placement_group import current_placement
 from rayload.progress import LoadProgress, ProgressCallback
 from rayload.tracing import (
     StartupTrace,
@@ -120,7 +120,7 @@ class LoadResult:
 
     def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``fn(state, *args, **kwargs)`` on every rank, in parallel, where ``state`` is
-        that rank's :class:`~rayload.actors.records.RankState` (its resident tensors, the
+        that rank's :class:`~rayload.actors.messages.RankState` (its resident tensors, the
         ``model=`` module, the process group, rank, device); return the results in rank
         order. This is how an engine builds on the loaded weights without moving them.
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from rayload.actors.device import resolve_device
+from rayload.actors.device import rank_device
 from rayload.errors import ConfigError
 
 
@@ -19,23 +19,21 @@ from rayload.errors import ConfigError
 def test_resolve_device_uses_local_device_never_rank_index(
     requested: str, gpu_ids: list[str], cuda_count: int, expected: str
 ) -> None:
-    assert (
-        resolve_device(requested, gpu_ids=gpu_ids, cuda_device_count=cuda_count, rank=5) == expected
-    )
+    assert rank_device(requested, gpu_ids=gpu_ids, cuda_device_count=cuda_count, rank=5) == expected
 
 
 def test_resolve_device_cuda_without_assigned_gpu_names_rank() -> None:
     with pytest.raises(
         ConfigError, match="rank 2: device='cuda' but Ray assigned this rank no GPU"
     ):
-        resolve_device("cuda", gpu_ids=[], cuda_device_count=1, rank=2)
+        rank_device("cuda", gpu_ids=[], cuda_device_count=1, rank=2)
 
 
 def test_resolve_device_cuda_without_torch_cuda_names_gpu_ids() -> None:
     with pytest.raises(ConfigError, match=r"GPU \['0'\], but torch sees no CUDA"):
-        resolve_device("cuda", gpu_ids=["0"], cuda_device_count=0, rank=0)
+        rank_device("cuda", gpu_ids=["0"], cuda_device_count=0, rank=0)
 
 
 def test_resolve_device_rejects_unknown_request() -> None:
     with pytest.raises(ConfigError, match="device must be one of"):
-        resolve_device("tpu", gpu_ids=[], cuda_device_count=0, rank=0)
+        rank_device("tpu", gpu_ids=[], cuda_device_count=0, rank=0)

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from rayload.config import RulesFile, load_rules_file
 from rayload.errors import ConfigError
 from rayload.loading.plan import plan_shards
 from rayload.loading.rules import PRESETS, Rule, RuleSet, preset_for, resolve_rules
+from rayload.rules_file import RulesFile, load_rules_file
 
 # Real Hugging Face tensor names (Llama-3 / Mistral / Qwen2 / Qwen3 / Mixtral checkpoints).
 LLAMA_NAMES = {

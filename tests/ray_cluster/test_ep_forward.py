@@ -21,7 +21,7 @@ import ray
 import torch
 
 import rayload
-from rayload.actors.records import RankState
+from rayload.actors.messages import RankState
 from rayload.loading import open_checkpoint, plan_shards
 from rayload.loading.plan import RankPlan, TensorShard
 from rayload.models import build_model

@@ -14,7 +14,7 @@ import ray
 import torch
 
 import rayload
-from rayload.actors.records import RankState
+from rayload.actors.messages import RankState
 from rayload.loading import convert_checkpoint, plan_shards
 from rayload.loading.dtypes import torch_dtype
 

@@ -19,7 +19,7 @@ import torch
 
 import rayload
 import support.toy_llama
-from rayload.actors.records import RankState
+from rayload.actors.messages import RankState
 from rayload.errors import InputError, ModelMismatchError
 from rayload.loading.model import ModelContext
 from support.toy_llama import ToyLlama, toy_llama_on_device, toy_llama_on_meta

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import rayload
-from rayload.actors.records import RankState
+from rayload.actors.messages import RankState
 from rayload.errors import ConfigError, RankFailedError
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")

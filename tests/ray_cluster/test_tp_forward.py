@@ -20,7 +20,7 @@ import ray
 import torch
 
 import rayload
-from rayload.actors.records import RankState
+from rayload.actors.messages import RankState
 from rayload.models import build_model
 from support.transformers_models import Reference, write_reference
 

@@ -1,4 +1,5 @@
-"""Driver span names are written once, in rayload.tracing.schema."""
+"""Span and phase names are written once: driver spans in rayload.tracing.schema, rank
+phases in rayload.loading.report."""
 
 from __future__ import annotations
 
@@ -28,18 +29,28 @@ def _docstrings(tree: ast.AST) -> set[int]:
     return found
 
 
-def test_driver_span_names_are_not_hard_coded_outside_schema() -> None:
+def _hard_coded(names: set[str], *, home: Path) -> list[str]:
+    """``path:line: name`` for each string constant in ``names`` outside ``home`` that is
+    not a docstring."""
     offenders = []
     for path in sorted(SRC.rglob("*.py")):
-        if path == Path(schema.__file__):
+        if path == home:
             continue
         tree = ast.parse(path.read_text(), filename=str(path))
         docstrings = _docstrings(tree)
         offenders += [
             f"{path.relative_to(SRC)}:{node.lineno}: {node.value}"
             for node in ast.walk(tree)
-            if isinstance(node, ast.Constant)
-            and node.value in DRIVER_SPANS
-            and id(node) not in docstrings
+            if isinstance(node, ast.Constant) and node.value in names and id(node) not in docstrings
         ]
-    assert offenders == []
+    return offenders
+
+
+def test_rank_phase_names_are_not_hard_coded_outside_report() -> None:
+    from rayload.loading import report
+
+    assert _hard_coded(set(report.PHASES), home=Path(report.__file__)) == []
+
+
+def test_driver_span_names_are_not_hard_coded_outside_schema() -> None:
+    assert _hard_coded(DRIVER_SPANS, home=Path(schema.__file__)) == []

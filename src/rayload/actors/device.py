@@ -15,7 +15,7 @@ from rayload.options import check_device
 LOCAL_CUDA_DEVICE = "cuda:0"
 
 
-def resolve_device(
+def rank_device(
     requested: str, *, gpu_ids: Sequence[object], cuda_device_count: int, rank: int
 ) -> str:
     """The torch device string for a rank.

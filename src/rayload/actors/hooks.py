@@ -36,7 +36,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from rayload.errors import ConfigError
-from rayload.loading.report import PhaseTimer
+from rayload.loading.report import PLAN, PhaseTimer
 
 HOOKS_ENV = "RAYLOAD_TEST_HOOKS"
 
@@ -50,7 +50,7 @@ class FaultInjection(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     rank: int
-    phase: str = "rank.plan"
+    phase: str = PLAN
     action: Literal["raise", "exit", "ray_kill", "hang"] = "raise"
     seconds: float = 3600.0
 

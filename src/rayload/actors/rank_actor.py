@@ -6,7 +6,7 @@ small records, never tensors, except :meth:`RankActor.shard`, which a caller ask
 explicitly.
 
 The class is plain Python; the driver wraps it with ``ray.remote`` and the resources of the
-rank's bundle (see :mod:`rayload.actors.group`).
+rank's bundle (see :mod:`rayload.actors.rank_group`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ from typing import Any
 
 import ray
 
-from rayload.actors.device import resolve_device
+from rayload.actors.device import rank_device
 from rayload.actors.hooks import INIT_PHASE, FaultInjection, FaultyTimer
-from rayload.actors.process_group import free_port, join_process_group, leave_process_group
-from rayload.actors.records import (
+from rayload.actors.messages import (
     ActorInfo,
     Applied,
     LoadRequest,
@@ -33,12 +32,13 @@ from rayload.actors.records import (
     RankSetup,
     RankState,
 )
+from rayload.actors.process_group import free_port, join_process_group, leave_process_group
 from rayload.loading import load_rank
 from rayload.loading.model import ModelContext, build_and_fill, engine_phases
 from rayload.loading.probe import EnvProbe, probe_environment
 from rayload.loading.rank import PostLoad
 from rayload.loading.report import PhaseTimer, RankReport
-from rayload.tracing.record import engine_spans_payload, rank_spans_payload, report_attributes
+from rayload.tracing.rank_spans import engine_spans_payload, rank_spans_payload, report_attributes
 
 log = logging.getLogger(__name__)
 
@@ -197,9 +197,6 @@ class RankActor:
             )
         return self._tensors[name].to("cpu", copy=True)
 
-    def names(self) -> list[str]:
-        return list(self._tensors)
-
     def apply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(RankState, *args, **kwargs)`` on this rank's resident weights. Engine phases
         ``fn`` records wait here until :meth:`engine_spans` (or :meth:`apply_traced`)."""
@@ -242,7 +239,7 @@ class RankActor:
         )
 
     def _device(self, requested: str) -> str:
-        return resolve_device(
+        return rank_device(
             requested,
             gpu_ids=self._info.gpu_ids,
             cuda_device_count=_cuda_device_count(),

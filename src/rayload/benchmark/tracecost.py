@@ -33,7 +33,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from rayload.loading.report import RankReport
 from rayload.tracing import schema
 from rayload.tracing.exporters.files import write_trace_files
-from rayload.tracing.record import rank_spans_payload, report_attributes
+from rayload.tracing.rank_spans import rank_spans_payload, report_attributes
 from rayload.tracing.trace import StartupTrace
 
 _T = TypeVar("_T")

@@ -37,19 +37,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import zlib
 from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from rayload.config import RuleSpec, describe_validation_error
 from rayload.errors import CheckpointError
+from rayload.rules_file import RuleSpec, describe_validation_error
 
 MANIFEST_NAME = "rayload-manifest.json"
 FORMAT_VERSION = 1
-RANK_FILE_RE = re.compile(r"model-rank-(\d+)-part-(\d+)\.safetensors")
 
 _CHUNK = 8 << 20
 

@@ -24,7 +24,7 @@ from rayload.loading.methods import LoadMethod, MethodReport
 from rayload.loading.plan import plan_shards
 from rayload.loading.probe import EnvProbe, probe_environment
 from rayload.loading.reader import ReaderOptions
-from rayload.loading.report import PhaseTimer, RankReport
+from rayload.loading.report import PLAN, POST_LOAD, RESOLVE, PhaseTimer, RankReport
 from rayload.loading.resolve import LayoutInfo, log_fallback, resolve_method
 from rayload.loading.rules import RulesArg
 from rayload.options import check_model_role, check_rank, check_tp_size, parse_method
@@ -77,7 +77,7 @@ def load_rank(
     check_tp_size(tp_size)
     check_rank(rank, tp_size)
     check_model_role(model_role)
-    with timer.phase("rank.resolve", tp_size=tp_size, model_role=model_role) as attrs:
+    with timer.phase(RESOLVE, tp_size=tp_size, model_role=model_role) as attrs:
         checkpoint = open_checkpoint(path)
         requested = parse_method(method)
         may_use_fst = requested in _MAY_USE_FASTSAFETENSORS
@@ -104,7 +104,7 @@ def load_rank(
             attrs["checksums_verified"] = _verify_rank_files(checkpoint, rank)
     log_fallback(rank, resolution.requested, resolution.selected, resolution.fallback_reason)
 
-    with timer.phase("rank.plan") as attrs:
+    with timer.phase(PLAN) as attrs:
         plan = plan_shards(checkpoint, tp_size, rules=rules, expert_parallel=expert_parallel).ranks[
             rank
         ]
@@ -121,7 +121,7 @@ def load_rank(
             )
     tensors = result.tensors
 
-    with timer.phase("rank.post_load", device=resolution.device):
+    with timer.phase(POST_LOAD, device=resolution.device):
         if post_load is not None:
             post_load(tensors)
             if torch.device(resolution.device).type == "cuda":

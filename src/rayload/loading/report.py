@@ -15,7 +15,13 @@ from typing import Any
 
 from rayload.loading.methods import MethodReport
 
-PHASES = ("rank.resolve", "rank.plan", "rank.read", "rank.to_device", "rank.sync", "rank.post_load")
+RESOLVE = "rank.resolve"
+PLAN = "rank.plan"
+READ = "rank.read"
+TO_DEVICE = "rank.to_device"
+SYNC = "rank.sync"
+POST_LOAD = "rank.post_load"
+PHASES = (RESOLVE, PLAN, READ, TO_DEVICE, SYNC, POST_LOAD)
 """Span names of a rank's phases, all children of ``rank.load``."""
 
 

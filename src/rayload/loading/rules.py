@@ -20,7 +20,7 @@ split but held whole by the rank that owns the expert.
 
 Presets cover the Hugging Face names of the Llama family (Llama, Mistral, Qwen2/3,
 Qwen-MoE, Mixtral, Phi-3), DeepSeek-V2/V3 and GPT-2, chosen from ``config.json``
-``architectures``; users can pass a rules file (:mod:`rayload.config`).
+``architectures``; users can pass a rules file (:mod:`rayload.rules_file`).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
-from rayload.config import PartSpec, RulesFile, RuleSpec, SplitSpec, load_rules_file
 from rayload.errors import ConfigError
 from rayload.loading.heads import PARTS
+from rayload.rules_file import PartSpec, RulesFile, RuleSpec, SplitSpec, load_rules_file
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,11 @@ from rayload.placement.bundles import (
     bundle_index,
     rank_bundles,
 )
-from rayload.placement.group import RankPlacement, create_placement_group, current_placement
+from rayload.placement.placement_group import (
+    RankPlacement,
+    create_placement_group,
+    current_placement,
+)
 
 __all__ = [
     "DEFAULT_CPUS_PER_RANK",

@@ -43,7 +43,7 @@ from rayload.tracing.metrics import (
     publish_ray_metrics,
     startup_metrics,
 )
-from rayload.tracing.record import rank_spans_payload, report_attributes, report_spans_payload
+from rayload.tracing.rank_spans import rank_spans_payload, report_attributes, report_spans_payload
 from rayload.tracing.trace import StartupTrace
 
 __all__ = [

@@ -35,7 +35,16 @@ from collections.abc import Mapping, Sequence
 from statistics import fmean
 from typing import Any
 
-from rayload.loading.report import PHASES, RankReport
+from rayload.loading import report as phases
+from rayload.loading.report import (
+    PHASES,
+    PLAN,
+    READ,
+    RESOLVE,
+    SYNC,
+    TO_DEVICE,
+    RankReport,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +67,8 @@ METRIC_KEYS = (
     READ_GBPS,
 )
 
-_PREPARATION_PHASES = ("rank.resolve", "rank.plan")
-_POPULATION_PHASES = ("rank.read", "rank.to_device", "rank.sync")
+_PREPARATION_PHASES = (RESOLVE, PLAN)
+_POPULATION_PHASES = (READ, TO_DEVICE, SYNC)
 _LOWER_IS_WORSE = frozenset({READ_GBPS})
 _NO_SLOWEST = frozenset({PLACEMENT, BYTES_READ})
 """Figures where no rank is "slowest": driver-wide, or where more is not worse."""
@@ -106,12 +115,12 @@ def startup_metrics(
 def _rank_metrics(
     report: RankReport, placement: float, actor_startup: float | None, model_role: str
 ) -> dict[str, Any]:
-    read_seconds = report.phase_seconds("rank.read")
+    read_seconds = report.phase_seconds(READ)
     values: dict[str, Any] = {
         TOTAL: _seconds(report.seconds),
         PREPARATION: _seconds(sum(report.phase_seconds(p) for p in _PREPARATION_PHASES)),
         POPULATION: _seconds(sum(report.phase_seconds(p) for p in _POPULATION_PHASES)),
-        POST_LOAD: _seconds(report.phase_seconds("rank.post_load")),
+        POST_LOAD: _seconds(report.phase_seconds(phases.POST_LOAD)),
         ACTOR_STARTUP: None if actor_startup is None else _seconds(actor_startup),
         PLACEMENT: _seconds(placement),
         BYTES_READ: report.bytes_read,

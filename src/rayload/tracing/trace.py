@@ -2,7 +2,7 @@
 
 The driver records ``rayload.load`` (the root), ``rayload.placement`` and one
 ``rayload.spawn`` per rank with its own ``TracerProvider``. Each rank sends back its spans
-as OTLP bytes (:func:`rayload.tracing.record.rank_spans_payload`); :meth:`StartupTrace.add_rank`
+as OTLP bytes (:func:`rayload.tracing.rank_spans.rank_spans_payload`); :meth:`StartupTrace.add_rank`
 decodes them, moves them onto the driver's clock and keeps them with their own resource.
 :meth:`StartupTrace.finish` returns every span of the trace, ready for any exporter.
 """
@@ -29,7 +29,7 @@ from rayload.tracing import schema
 from rayload.tracing.clock import corrected
 from rayload.tracing.decode import decode_spans
 from rayload.tracing.ids import SecureIdGenerator
-from rayload.tracing.record import format_traceparent, rank_spans_payload, record_span
+from rayload.tracing.rank_spans import format_traceparent, rank_spans_payload, record_span
 
 logger = logging.getLogger(__name__)
 

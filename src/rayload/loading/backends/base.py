@@ -26,7 +26,7 @@ from rayload.loading.methods import LoadMethod
 from rayload.loading.plan import RankPlan
 from rayload.loading.probe import EnvProbe
 from rayload.loading.reader import ReaderOptions
-from rayload.loading.report import PhaseTimer
+from rayload.loading.report import SYNC, PhaseTimer
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class Backend(ABC):
         if target.type == "cuda" and target.index is None:
             target = torch.device("cuda", 0)
         result = self._load(plan, target, timer)
-        with timer.phase("rank.sync", device=str(target)):
+        with timer.phase(SYNC, device=str(target)):
             synchronize(target)
         _check_result(plan, result, target)
         return result

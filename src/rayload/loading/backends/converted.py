@@ -27,7 +27,7 @@ from rayload.loading.methods import LoadMethod
 from rayload.loading.plan import RankPlan, check_converted_tp
 from rayload.loading.reader.readplan import Read, Segment, shard_segments
 from rayload.loading.reader.reads import read_segments, shard_tensors
-from rayload.loading.report import PhaseTimer
+from rayload.loading.report import READ, TO_DEVICE, PhaseTimer
 
 
 @register(LoadMethod.CONVERTED)
@@ -51,14 +51,14 @@ class ConvertedBackend(Backend):
                 value = crc32(view, value)
             pieces.append((read.file, read.offset, read.length, value))  # atomic
 
-        with timer.phase("rank.read", bytes=sum(e.size for e in entries.values())) as attrs:
+        with timer.phase(READ, bytes=sum(e.size for e in entries.values())) as attrs:
             buffers, sink, bytes_read = read_segments(
                 segments, sizes, device, self.options, on_read=checksum
             )
             attrs["bytes_read"] = bytes_read
             for file, entry in entries.items():
                 verify_file_checksum(file, entry, crc32=_file_crc32(file, pieces))
-        with timer.phase("rank.to_device", device=str(device)):
+        with timer.phase(TO_DEVICE, device=str(device)):
             sink.finish()
             tensors = shard_tensors(shards, buffers)
         return BackendResult(tensors, bytes_read, self.method)

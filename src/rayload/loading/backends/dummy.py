@@ -14,7 +14,7 @@ from rayload.loading.backends.base import Backend, BackendResult, register, sync
 from rayload.loading.dtypes import torch_dtype
 from rayload.loading.methods import LoadMethod
 from rayload.loading.plan import RankPlan, TensorShard
-from rayload.loading.report import PhaseTimer
+from rayload.loading.report import READ, TO_DEVICE, PhaseTimer
 
 
 @register(LoadMethod.DUMMY)
@@ -22,9 +22,9 @@ class DummyBackend(Backend):
     """Fills each shard with seeded random values on the device; ``bytes_read`` is 0."""
 
     def _load(self, plan: RankPlan, device: torch.device, timer: PhaseTimer) -> BackendResult:
-        with timer.phase("rank.read", bytes=0):
+        with timer.phase(READ, bytes=0):
             pass
-        with timer.phase("rank.to_device", device=str(device)):
+        with timer.phase(TO_DEVICE, device=str(device)):
             tensors = {s.name: _random_shard(s, plan.rank, device) for s in plan.shards}
             synchronize(device)  # the random fills run asynchronously on CUDA
         return BackendResult(tensors, 0, self.method)

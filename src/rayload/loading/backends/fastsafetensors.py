@@ -28,7 +28,7 @@ from rayload.loading.backends.base import Backend, BackendResult, register, sync
 from rayload.loading.methods import LoadMethod
 from rayload.loading.plan import RankPlan, TensorShard
 from rayload.loading.reader.reads import truncated_error, unreadable_error
-from rayload.loading.report import PhaseTimer
+from rayload.loading.report import READ, TO_DEVICE, PhaseTimer
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +72,10 @@ class _FastsafetensorsBase(Backend):
                 loader.add_filenames({0: list(plan.files)})
                 loader.set_tensor_filter(wanted.__contains__)
                 full_bytes = sum(_frame_bytes(loader, name) for name in wanted)
-                with timer.phase("rank.read", bytes=plan.nbytes, bytes_read=full_bytes):
+                with timer.phase(READ, bytes=plan.nbytes, bytes_read=full_bytes):
                     buffers = loader.copy_files_to_device()
                 try:
-                    with timer.phase("rank.to_device", device=str(device)):
+                    with timer.phase(TO_DEVICE, device=str(device)):
                         tensors = {
                             s.name: _take_shard(buffers.get_tensor(s.name), s) for s in plan.shards
                         }

@@ -15,7 +15,7 @@ from rayload.loading.methods import LoadMethod
 from rayload.loading.plan import RankPlan
 from rayload.loading.reader.readplan import shard_segments
 from rayload.loading.reader.reads import read_segments, shard_tensors
-from rayload.loading.report import PhaseTimer
+from rayload.loading.report import READ, TO_DEVICE, PhaseTimer
 
 
 @register(LoadMethod.SCRATCH)
@@ -24,12 +24,12 @@ class ScratchBackend(Backend):
 
     def _load(self, plan: RankPlan, device: torch.device, timer: PhaseTimer) -> BackendResult:
         shards = plan.shards
-        with timer.phase("rank.read", bytes=plan.nbytes) as attrs:
+        with timer.phase(READ, bytes=plan.nbytes) as attrs:
             buffers, sink, bytes_read = read_segments(
                 shard_segments(shards), [s.nbytes for s in shards], device, self.options
             )
             attrs["bytes_read"] = bytes_read
-        with timer.phase("rank.to_device", device=str(device)):
+        with timer.phase(TO_DEVICE, device=str(device)):
             sink.finish()
             tensors = shard_tensors(shards, buffers)
         return BackendResult(tensors, bytes_read, self.method)

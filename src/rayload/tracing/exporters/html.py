@@ -14,6 +14,7 @@ from typing import Any
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import StatusCode
 
+from rayload.loading.report import PLAN, POST_LOAD, READ, RESOLVE, SYNC, TO_DEVICE
 from rayload.tracing import schema
 from rayload.tracing.exporters.html_template import DATA_TOKEN, TEMPLATE
 from rayload.tracing.exporters.timeline import Process, group_processes
@@ -27,12 +28,12 @@ COLORS: dict[str, str] = {
     schema.PLACEMENT_SPAN: "#f0e442",
     schema.SPAWN_SPAN: "#cbd2d9",
     schema.RANK_SPAN: "#d9dde2",
-    "rank.resolve": "#e69f00",
-    "rank.plan": "#56b4e9",
-    "rank.read": "#009e73",
-    "rank.to_device": "#0072b2",
-    "rank.sync": "#cc79a7",
-    "rank.post_load": "#d55e00",
+    RESOLVE: "#e69f00",
+    PLAN: "#56b4e9",
+    READ: "#009e73",
+    TO_DEVICE: "#0072b2",
+    SYNC: "#cc79a7",
+    POST_LOAD: "#d55e00",
 }
 _OTHER_COLOR = "#7b8794"
 _LIGHT_TEXT = {"#009e73", "#0072b2", "#d55e00"}

@@ -20,8 +20,8 @@ import ray
 from ray.exceptions import RayActorError, RayError
 
 from rayload.actors.hooks import TestHooks
+from rayload.actors.messages import ActorInfo, LoadRequest, RankOutcome, RankSetup
 from rayload.actors.rank_actor import RankActor
-from rayload.actors.records import ActorInfo, LoadRequest, RankOutcome, RankSetup
 from rayload.errors import InputError, RankFailedError, RankTimeoutError, RayloadError
 from rayload.placement import RankPlacement
 from rayload.tracing.clock import ClockSample, best_clock_offset
@@ -53,13 +53,11 @@ class RankFailure:
 @dataclass(frozen=True)
 class GroupLoad:
     """What :meth:`RankActorGroup.load` got back: every rank that answered (loaded or
-    failed), the first failure, and the ranks that never answered (dead, hung, stopped)."""
+    failed), the first failure, and when the load was dispatched (driver clock)."""
 
     outcomes: Mapping[int, RankOutcome]
     failure: RankFailure | None
-    unfinished: tuple[int, ...]
     dispatch_ns: int
-    end_ns: int
 
 
 @dataclass
@@ -202,9 +200,7 @@ class RankActorGroup:
         return GroupLoad(
             outcomes=outcomes,
             failure=failure,
-            unfinished=tuple(sorted(set(range(self.tp_size)) - set(outcomes))),
             dispatch_ns=dispatch_ns,
-            end_ns=time.time_ns(),
         )
 
     def shutdown(self, *, timeout_s: float) -> None:

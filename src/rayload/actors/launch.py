@@ -3,7 +3,7 @@ step into spans of the load's :class:`~rayload.tracing.StartupTrace` (``rayload.
 rank, every rank's own spans clock-corrected, a stand-in ERROR span for a rank that sent
 none) and failures into the error that names the rank and its node.
 
-:class:`~rayload.actors.group.RankActorGroup` does the Ray side; this module only joins it
+:class:`~rayload.actors.rank_group.RankActorGroup` does the Ray side; this module only joins it
 to the trace, so :func:`rayload.load` reads as the sequence of steps.
 """
 
@@ -13,14 +13,14 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any, NoReturn
 
-from rayload.actors.group import RankActorGroup, RankFailure, failure_error
+from rayload.actors.messages import LoadRequest, RankOutcome
 from rayload.actors.process_group import (
     ProcessGroupSpec,
     init_method,
     rendezvous_host,
     resolve_backend,
 )
-from rayload.actors.records import LoadRequest, RankOutcome
+from rayload.actors.rank_group import RankActorGroup, RankFailure, failure_error
 from rayload.loading.report import RankReport
 from rayload.progress import LoadProgress, ProgressCallback
 from rayload.tracing import StartupTrace, schema

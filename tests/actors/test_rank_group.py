@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rayload.actors.group import RankFailure, failure_error
+from rayload.actors.rank_group import RankFailure, failure_error
 from rayload.errors import (
     CheckpointError,
     InputError,
