@@ -9,6 +9,8 @@
   hold of ``name``, sliced from ``safetensors.torch.load_file`` (for these unfused Llama
   names; a ``k_proj``/``v_proj`` with fewer KV heads than ranks is one whole KV head,
   ``rank // (tp // kv_heads)``: vLLM's replication).
+* ``reference(family)``: a tiny checkpoint written by ``transformers`` with its reference
+  logits (the oracle of the TP forward tests). Session-scoped.
 * ``write_raw_safetensors(path, header, data)``: write a possibly malformed file byte by
   byte (8-byte length, JSON header, data), for bad-input tests.
 """
@@ -127,6 +129,25 @@ def reference_shard() -> Callable[[Path, int, int, str, int | None], torch.Tenso
         return torch.tensor_split(full, tp, dim=split)[rank].contiguous()
 
     return shard
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Any]:
+    """``reference(family) -> Reference``: the family's tiny transformers checkpoint, input
+    ids and transformers' own logits (``support.transformers_models``), made on first use
+    and shared by the session's forward-pass tests."""
+    pytest.importorskip("transformers")
+    from support.transformers_models import write_reference
+
+    root = tmp_path_factory.mktemp("hf-reference")
+    cache: dict[str, Any] = {}
+
+    def get(family: str) -> Any:
+        if family not in cache:
+            cache[family] = write_reference(family, root / family)
+        return cache[family]
+
+    return get
 
 
 @pytest.fixture

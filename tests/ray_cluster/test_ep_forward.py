@@ -25,7 +25,7 @@ from rayload.actors.messages import RankState
 from rayload.loading import open_checkpoint, plan_shards
 from rayload.loading.plan import RankPlan, TensorShard
 from rayload.models import build_model
-from support.transformers_models import EXPERTS, Reference, expert_id, write_reference
+from support.transformers_models import EXPERTS, Reference, expert_id
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.slow]
 
@@ -34,21 +34,6 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 FAMILIES = ("mixtral", "qwen3_moe")
 TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Reference]:
-    """``reference(family)``: its transformers checkpoint and logits, made on first use."""
-    pytest.importorskip("transformers")
-    root = tmp_path_factory.mktemp("hf-ep-forward")
-    cache: dict[str, Reference] = {}
-
-    def get(family: str) -> Reference:
-        if family not in cache:
-            cache[family] = write_reference(family, root / family)
-        return cache[family]
-
-    return get
 
 
 def _forward(state: RankState, input_ids: torch.Tensor) -> dict[str, Any]:

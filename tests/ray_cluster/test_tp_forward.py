@@ -22,7 +22,7 @@ import torch
 import rayload
 from rayload.actors.messages import RankState
 from rayload.models import build_model
-from support.transformers_models import Reference, write_reference
+from support.transformers_models import Reference
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.slow]
 
@@ -31,21 +31,6 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 FAMILIES = ("llama_gqa", "qwen2", "phi3", "gpt2", "mixtral")
 TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Reference]:
-    """``reference(family)``: its transformers checkpoint and logits, made on first use."""
-    pytest.importorskip("transformers")
-    root = tmp_path_factory.mktemp("hf-forward")
-    cache: dict[str, Reference] = {}
-
-    def get(family: str) -> Reference:
-        if family not in cache:
-            cache[family] = write_reference(family, root / family)
-        return cache[family]
-
-    return get
 
 
 def _forward(state: RankState, input_ids: torch.Tensor) -> dict[str, Any]:
