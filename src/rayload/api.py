@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +31,7 @@ from typing import Any
 
 import ray
 
+from rayload import cluster
 from rayload.actors.hooks import hooks_from_env
 from rayload.actors.launch import (
     load_ranks,
@@ -74,7 +73,6 @@ log = logging.getLogger(__name__)
 
 
 OTLP_TIMEOUT_S = 5.0
-CONNECT_TIMEOUT_S = 5.0
 SHUTDOWN_TIMEOUT_S = 5.0
 """How long ``close()`` lets each rank destroy its process group before killing it."""
 
@@ -273,7 +271,7 @@ def load(
     hooks = hooks_from_env()
     deadline = time.monotonic() + timeout
     prepared_ns = time.time_ns()
-    started_ray = _connect(address)
+    started_ray = _connect(address, deadline)
     connected_ns = time.time_ns()
     # The root span starts where the load started, so driver-side config parsing and Ray
     # start-up are inside the trace's total, as their own spans.
@@ -282,10 +280,15 @@ def load(
     trace.add_span(schema.CONNECT_SPAN, prepared_ns, connected_ns, {"ray.started": started_ray})
     placement: RankPlacement | None = None
     group: RankActorGroup | None = None
+    # Backstop for Ray calls that block while the head is gone (see rayload.cluster).
+    watch = cluster.HeadWatch(lambda error: outputs.write(trace.finish(error=str(error))))
+    watch.start()
     try:
+        watch.phase = "creating the placement group"
         placement, placement_seconds = _place(trace, tp_size, device, placement_strategy, deadline)
         _notify(progress, LoadProgress("placed", tp_size))
         group = RankActorGroup(placement, want_gpu=device != "cpu", hooks=hooks)
+        watch.phase = "starting the ranks"
         spawn_ranks(trace, group, deadline=deadline, timeout=timeout)
         _notify(progress, LoadProgress("spawned", tp_size))
         group_spec = plan_process_group(
@@ -305,6 +308,7 @@ def load(
             model_config=dict(checkpoint.config or {}) if model is not None else None,
             expert_parallel=expert_parallel,
         )
+        watch.phase = "loading the ranks"
         ranks = load_ranks(
             trace, group, request, deadline=deadline, timeout=timeout, progress=progress
         )
@@ -317,11 +321,15 @@ def load(
             actor_startup_seconds=spawn_seconds(group),
             model_role=model_role,
         )
+        watch.phase = "finishing the load"
         publish_ray_metrics(metrics)
         files = outputs.write(trace.finish())
+        watch.stop()
     except BaseException as exc:
+        watched_to_the_end = watch.stop()
         _release(group, placement, started_ray)
-        outputs.write(trace.finish(error=str(exc) or type(exc).__name__))
+        if watched_to_the_end:  # else the watch already wrote the failed trace
+            outputs.write(trace.finish(error=str(exc) or type(exc).__name__))
         raise
     return LoadResult(
         trace_id=trace.trace_id,
@@ -391,42 +399,16 @@ def _validate(
     return source
 
 
-def _connect(address: str | None) -> bool:
-    """Make sure this process is connected to Ray; True when this call started it.
+def _connect(address: str | None, deadline: float) -> bool:
+    """Make sure this process is connected to Ray; True when this call ran ``ray.init``.
 
-    ``address`` None follows Ray's own rules (``RAY_ADDRESS``, then a ``ray start`` cluster
-    on this machine, else a new local Ray); ``"local"`` always starts a new one. Ray's
-    console noise stays off the driver (``log_to_driver=False``): a rank's errors travel
-    back in its outcome instead.
+    ``address`` None follows Ray's own rules (``RAY_ADDRESS``, then the cluster ``ray start``
+    recorded, else a new local Ray); ``"local"`` always starts a new one. An address that
+    does not answer fails in seconds naming where it came from (:mod:`rayload.cluster`).
+    Ray's console noise stays off the driver (``log_to_driver=False``): a rank's errors
+    travel back in its outcome instead.
     """
-    if ray.is_initialized():
-        return False
-    _check_reachable(address)
-    try:
-        ray.init(
-            address=address,
-            include_dashboard=False,
-            log_to_driver=False,
-            logging_level=logging.ERROR,
-        )
-    except (ConnectionError, ValueError) as exc:
-        raise ConfigError(f"cannot connect to Ray at {address!r}: {exc}") from exc
-    return True
-
-
-def _check_reachable(address: str | None) -> None:
-    """Fail in seconds, not minutes, when nothing listens at a ``host:port`` address (Ray
-    itself retries for minutes). Other forms (``auto``, ``local``, ``ray://``) pass."""
-    match = re.fullmatch(r"([\w.\-]+):(\d+)", address or "")
-    if match is None:
-        return
-    try:
-        socket.create_connection((match[1], int(match[2])), timeout=CONNECT_TIMEOUT_S).close()
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot reach a Ray cluster at {address}: {exc.strerror or exc}; start one there "
-            "with `ray start --head` or pass the right --address"
-        ) from exc
+    return cluster.connect(address, deadline=deadline)
 
 
 def _place(
@@ -463,6 +445,10 @@ def _release(
 ) -> None:
     if group is not None:
         group.kill()
+    if cluster.head_lost():
+        # The GCS is gone and took the group with it; a GCS call now would hang for a
+        # minute. ray.shutdown() (~15 s after a lost head) is left to the caller.
+        return
     if placement is not None:
         placement.remove()
     if started_ray and ray.is_initialized():

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from typing import NoReturn
+from typing import NoReturn, TextIO
 
-from rayload.errors import RayloadError
+from rayload.errors import ClusterLostError, RayloadError
 from rayload.options import DEVICES, PROCESS_GROUPS, STRATEGIES
 
 log = logging.getLogger(__name__)
@@ -495,18 +496,57 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _report_error(exc: RayloadError, *, as_json: bool, stdout: TextIO | None = None) -> None:
+    """One line on stderr; with ``--json`` also the one stdout object, ``{"error", "kind",
+    "exit_code"}``, so a script reading stdout always gets JSON."""
+    message = str(exc) or type(exc).__name__
+    print(f"rayload: error: {message}", file=sys.stderr)
+    if as_json:
+        import json
+
+        doc = {"error": message, "kind": type(exc).__name__, "exit_code": exc.exit_code}
+        print(json.dumps(doc), file=stdout or sys.stdout)
+
+
+def _exit_when_stuck(*, as_json: bool) -> None:
+    """As the command, a load stuck in a Ray call on a lost head ends with the one error line
+    and exit 1 (from the head watch's thread), before Ray's core would kill the process."""
+    from rayload import cluster
+
+    stdout = sys.stdout  # `load` sends sys.stdout to stderr while Ray runs
+
+    def leave(error: ClusterLostError) -> None:
+        _report_error(error, as_json=as_json, stdout=stdout)
+        _leave_now(error.exit_code)
+
+    cluster.on_stuck(leave)
+
+
+def _leave_now(code: int) -> NoReturn:
+    """Exit without Ray's exit handler, which spends ~15 s (or, in a GCS call, a minute of
+    CPU and then kills the process with core dumps) on a dead head."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    if argv is None:
+        _exit_when_stuck(as_json=bool(getattr(args, "json", False)))
     try:
         return int(args.func(args))
     except RayloadError as exc:
         if args.debug:
             raise
-        print(f"rayload: error: {exc}", file=sys.stderr)
+        _report_error(exc, as_json=bool(getattr(args, "json", False)))
+        if isinstance(exc, ClusterLostError) and argv is None:
+            _leave_now(exc.exit_code)
         return exc.exit_code
     except KeyboardInterrupt:
         print("rayload: interrupted", file=sys.stderr)

@@ -13,7 +13,8 @@
     │                                 ``strict`` forbids falling back
     └── LoadFailedError               a load started but did not finish; the CLI exits with 1
         ├── RankFailedError           one rank raised, or its actor died
-        └── RankTimeoutError          one rank did not finish within the timeout
+        ├── RankTimeoutError          one rank did not finish within the timeout
+        └── ClusterLostError          the Ray cluster's head (GCS) stopped answering
 
 Messages name the file, tensor, rank or node concerned and say what to do. Foreign
 exceptions (``OSError``, ``json.JSONDecodeError``, Ray's errors) are translated at the
@@ -115,3 +116,14 @@ class RankTimeoutError(LoadFailedError):
         self.rank = rank
         self.node_id = node_id
         self.timeout_s = timeout_s
+
+
+class ClusterLostError(LoadFailedError):
+    """The Ray cluster's head (its GCS) stopped answering during a load. ``phase`` says what
+    the driver was waiting for, ``address`` is the GCS, ``log_dir`` Ray's logs (or None)."""
+
+    def __init__(self, message: str, *, phase: str, address: str, log_dir: str | None):
+        super().__init__(message)
+        self.phase = phase
+        self.address = address
+        self.log_dir = log_dir

@@ -84,6 +84,7 @@ def test_load_unreachable_address_exits_2_in_seconds(tiny_llama: Path) -> None:
     )
     assert run.returncode == 2
     assert run.stderr == (
-        f"rayload: error: cannot reach a Ray cluster at 127.0.0.1:{port}: Connection refused; "
-        "start one there with `ray start --head` or pass the right --address\n"
+        f"rayload: error: cannot reach a Ray cluster at 127.0.0.1:{port} (from --address / "
+        f"address=): Connection refused; start it with `ray start --head --port {port}`, pass "
+        "the right --address, or pass --address local (address='local') for a fresh local Ray\n"
     )

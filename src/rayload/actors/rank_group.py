@@ -4,7 +4,9 @@ every rank in parallel and stop them all.
 Nothing here raises for a rank's failure: :meth:`RankActorGroup.spawn` and
 :meth:`RankActorGroup.load` return a :class:`RankFailure` (or None) so the caller can still
 record the trace before it raises :func:`failure_error`. Waits use ``ray.wait`` against one
-deadline, so a dead or hung rank ends the load promptly.
+deadline, so a dead or hung rank ends the load promptly; they go through
+:func:`rayload.cluster.wait`, which probes the head every second, so a lost cluster raises
+:class:`~rayload.errors.ClusterLostError` within seconds instead of Ray's minute.
 """
 
 from __future__ import annotations
@@ -19,10 +21,17 @@ from typing import Any, Literal
 import ray
 from ray.exceptions import RayActorError, RayError
 
+from rayload import cluster
 from rayload.actors.hooks import TestHooks
 from rayload.actors.messages import ActorInfo, LoadRequest, RankOutcome, RankSetup
 from rayload.actors.rank_actor import RankActor
-from rayload.errors import InputError, RankFailedError, RankTimeoutError, RayloadError
+from rayload.errors import (
+    ClusterLostError,
+    InputError,
+    RankFailedError,
+    RankTimeoutError,
+    RayloadError,
+)
 from rayload.placement import RankPlacement
 from rayload.tracing.clock import ClockSample, best_clock_offset
 
@@ -209,7 +218,15 @@ class RankActorGroup:
         refs = [actor.shutdown.remote(timeout_s) for actor in self.actors]
         if not refs:
             return
-        ready, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s + 1.0)
+        if cluster.head_lost():
+            return
+        try:
+            ready, late = cluster.wait(
+                refs, num_returns=len(refs), timeout=timeout_s + 1.0, phase="stopping the ranks"
+            )
+        except ClusterLostError as exc:
+            log.warning("%s", exc)
+            return
         for ref in ready:
             try:
                 ray.get(ref)
@@ -243,13 +260,16 @@ class RankActorGroup:
                     kind="timeout",
                     cause=f"did not {what} in time (ranks still running: {late})",
                 )
-            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=remaining)
+            phase = f"waiting for the ranks to {what}"
+            ready, _ = cluster.wait(list(waiting), timeout=remaining, phase=phase)
             if not ready:
                 continue
             rank = waiting.pop(ready[0])
             try:
                 result = ray.get(ready[0])
             except RayActorError as exc:
+                # Losing the head takes its node's actors with it: say so, not "actor died".
+                cluster.check_head(phase)
                 return RankFailure(rank, self.node_id(rank), "died", describe_actor_error(exc))
             except RayError as exc:
                 return RankFailure(rank, self.node_id(rank), "raised", _first_line(str(exc)))
