@@ -52,3 +52,38 @@ def test_bench_cli_rejects_bad_arguments_with_exit_2(
     assert main(["bench", "--checkpoint", str(tmp_path), *extra]) == 2
     err = capsys.readouterr().err
     assert fragment in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_cli_runs_the_expert_cases_side_by_side(
+    moe_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "bench",
+        "--checkpoint",
+        str(moe_checkpoint),
+        "--tp",
+        "2",
+        "--methods",
+        "scratch",
+        "scratch_ep",
+        "whole_experts",
+        "--cache",
+        "cold",
+        "--repeat",
+        "1",
+        "--no-startup",
+        "--no-split-probe",
+        "--out",
+        str(tmp_path / "out"),
+        "--workdir",
+        str(tmp_path / "work"),
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for case, layout in (
+        ("scratch", "tp"),
+        ("scratch_ep", "ep"),
+        ("whole_experts", "whole_experts"),
+    ):
+        assert f"| {case} | 2 |" in out and f"| {case} | {layout} | 2 | cold |" in out
+    assert "| scratch_ep expert bytes per rank (plan, tp=2) | = all experts' / 2 |" in out

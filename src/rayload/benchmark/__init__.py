@@ -8,6 +8,7 @@ inside each rank process. ``run_benchmark`` returns the result as a JSON-able di
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -27,12 +28,23 @@ def run_benchmark(
     config: BenchConfig, *, progress: Callable[[str], None] = print
 ) -> dict[str, Any]:
     """Prepare the checkpoint, run every case and return the result as plain JSON types."""
-    from rayload.benchmark import runner, summary
+    from rayload.benchmark import runner, summary, verify
+    from rayload.benchmark.cases import CASES
 
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     machine = machine_info()
     prep = runner.prepare(config, progress)
     samples = runner.run_all(config, prep, progress)
+    consistency: list[str] = []
+    references: list[dict[str, Any]] = []
+    if config.verify:
+        layouts = dict.fromkeys(
+            CASES[s.case].layout for s in samples if CASES[s.case].kind != "limit"
+        )
+        progress(f"reading the reference tensors of layout(s) {', '.join(layouts)} to verify")
+        refs = verify.references(prep, layouts, config.tp_sizes)
+        consistency = verify.consistency(samples, refs)
+        references = verify.references_jsonable(refs)
     summaries = summary.summarize(samples, prep.checkpoint_bytes)
     tp = max(config.tp_sizes)
     amplification = None
@@ -49,7 +61,11 @@ def run_benchmark(
             prep.checkpoint, tp, repeat=config.repeat, device=config.device
         )
     items = summary.targets(
-        summaries, tp=tp, load_breakdown=load_breakdown, amplification=amplification
+        summaries,
+        tp=tp,
+        load_breakdown=load_breakdown,
+        amplification=amplification,
+        layouts=prep.layouts,
     )
     result = {
         "schema": 1,
@@ -64,9 +80,11 @@ def run_benchmark(
             "files": list(prep.files),
             "plan_rank_bytes": {str(k): list(v) for k, v in prep.plan_rank_bytes.items()},
             "converted": dict(prep.converted),
+            "layouts": [dataclasses.asdict(p) for p in prep.layouts],
         },
         "skipped": dict(prep.skipped),
-        "consistency": summary.consistency(samples) if config.verify else [],
+        "consistency": consistency,
+        "references": references,
         "summary": summary.to_jsonable(summaries),
         "targets": summary.to_jsonable(items),
         "load_breakdown": load_breakdown,

@@ -7,8 +7,11 @@ tensors *materialized*: copied into memory the rank owns, as a model's weight lo
 copy them into its parameters. safetensors 0.8 hands out lazily mapped tensors, so without
 that copy a peer would be timed for reading nothing.
 
-Every case reads the same tensors with the same split dimensions (those of rayload's
-plan), so their outputs can be compared byte for byte.
+The cases of one layout (:mod:`rayload.benchmark.layouts`) hand each rank the same
+tensors, cut on the same dimensions (those of rayload's plan), so their outputs can be
+compared byte for byte; the peers and limits are all of the ``tp`` layout. On a
+mixture-of-experts checkpoint, ``scratch_ep`` (expert parallel) and ``whole_experts``
+(every rank every expert whole) hold other tensors than ``scratch`` (each expert split).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Literal
 import torch
 
 from rayload.benchmark import probes
+from rayload.benchmark.layouts import EP, TP, WHOLE_EXPERTS, LoadOptions
 
 Kind = Literal["rayload", "peer", "limit"]
 
@@ -41,6 +45,8 @@ class RankJob:
     converted: str | None = None
     device: str = "cpu"
     verify: bool = False
+    options: LoadOptions = field(default_factory=LoadOptions)
+    """What ``load_rank`` is given for the case's layout (rayload cases)."""
 
 
 @dataclass
@@ -73,6 +79,10 @@ class Case:
     needs_cuda: bool = False
     reads_converted: bool = False
     """It reads the converted copy for the TP size (``RankJob.converted``)."""
+    layout: str = TP
+    """How its TP group divides the tensors, so which reference it is checked against."""
+    method: str | None = None
+    """The rayload load method it runs (rayload cases), as their reports name it."""
 
 
 def shard_index(
@@ -98,7 +108,15 @@ def _rayload(method: str) -> Callable[[RankJob], Loaded]:
         from rayload.loading import load_rank
 
         path = _converted_dir(job) if method == "converted" else job.checkpoint
-        tensors, report = load_rank(path, job.rank, job.tp_size, method=method, device=job.device)
+        tensors, report = load_rank(
+            path,
+            job.rank,
+            job.tp_size,
+            method=method,
+            device=job.device,
+            rules=job.options.rules,
+            expert_parallel=job.options.expert_parallel,
+        )
         return Loaded(
             dict(tensors),
             effective=str(report.method.effective),
@@ -115,7 +133,7 @@ def _scratch_model(job: RankJob) -> Loaded:
     in time and memory on top of the load. The returned tensors live in the model."""
     from rayload.loading import load_rank
     from rayload.loading.checkpoint import open_checkpoint
-    from rayload.loading.model import ModelContext, fill_model
+    from rayload.loading.model import MODEL_PHASE, ModelContext, fill_model
     from rayload.models import build_model
 
     tensors, report = load_rank(job.checkpoint, job.rank, job.tp_size, "scratch", job.device)
@@ -124,7 +142,7 @@ def _scratch_model(job: RankJob) -> Loaded:
     module = build_model(ModelContext(job.rank, job.tp_size, job.device, config))
     fill_model(module, tensors, rank=job.rank)
     phases = {p.name: p.seconds for p in report.phases}
-    phases["rank.model"] = time.perf_counter() - start
+    phases[MODEL_PHASE] = time.perf_counter() - start
     return Loaded(dict(tensors), effective=str(report.method.effective), phases=phases)
 
 
@@ -299,19 +317,27 @@ CASES: dict[str, Case] = {
             _rank_files_read,
             reads_converted=True,
         ),
-        Case("scratch", "rayload", "rayload load_rank(method='scratch')", _rayload("scratch")),
+        Case(
+            "scratch",
+            "rayload",
+            "rayload load_rank(method='scratch')",
+            _rayload("scratch"),
+            method="scratch",
+        ),
         Case(
             "converted",
             "rayload",
             "rayload load_rank(method='converted') on a converted copy",
             _rayload("converted"),
             reads_converted=True,
+            method="converted",
         ),
         Case(
             "fastsafetensors",
             "rayload",
             "rayload load_rank(method='fastsafetensors')",
             _rayload("fastsafetensors"),
+            method="fastsafetensors",
         ),
         Case(
             "fastsafetensors_gdr",
@@ -319,12 +345,32 @@ CASES: dict[str, Case] = {
             "rayload load_rank(method='fastsafetensors_gdr')",
             _rayload("fastsafetensors_gdr"),
             needs_cuda=True,
+            method="fastsafetensors_gdr",
         ),
         Case(
             "scratch_model",
             "rayload",
             "scratch + the reference TP model (meta) filled in place, as load(model=...)",
             _scratch_model,
+            method="scratch",
+        ),
+        Case(
+            "scratch_ep",
+            "rayload",
+            "rayload load_rank(method='scratch', expert_parallel=True): each rank its "
+            "contiguous block of experts, whole",
+            _rayload("scratch"),
+            layout=EP,
+            method="scratch",
+        ),
+        Case(
+            "whole_experts",
+            "rayload",
+            "rayload load_rank(method='scratch') with rules that replicate the experts' "
+            "tensors: every rank reads every expert whole",
+            _rayload("scratch"),
+            layout=WHOLE_EXPERTS,
+            method="scratch",
         ),
         Case(
             "safe_open_slice",

@@ -9,7 +9,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rayload.benchmark.summary import MB, CaseSummary, Target
+from rayload.benchmark.cases import CASES
+from rayload.benchmark.layouts import TP
+from rayload.benchmark.summary import MB, MOE_CASES, CaseSummary, Target
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +103,22 @@ def markdown(
     for problem in result["consistency"]:
         lines.append(f"**Consistency problem:** {problem}")
     if not result["consistency"] and cfg["verify"]:
-        lines.append("Every case returned bit-identical shards for every rank (digests agree).")
+        layouts = sorted({r["layout"] for r in result.get("references", [])})
+        lines.append(
+            "Every case handed every rank bit-identical tensors to the reference of its "
+            f"layout ({', '.join(layouts)}: safetensors get_slice of the rank's plan; "
+            "digests agree)."
+            if layouts  # results written before the references: cases agreed with each other
+            else "Every case returned bit-identical shards for every rank (digests agree)."
+        )
     for name, why in result["skipped"].items():
         lines.append(f"- skipped `{name}`: {why}")
     lines.append("")
     for cache in cfg["caches"]:
         lines += [f"## {cache} page cache", "", table(summaries, cache), ""]
+    experts = expert_table(summaries, ck.get("layouts", []), cfg["caches"])
+    if experts:
+        lines += ["## Experts: expert parallel, plain TP, every expert whole", "", experts, ""]
     if result.get("amplification_by_kind"):
         lines += [
             "## Read amplification by kind of tensor",
@@ -123,6 +135,59 @@ def markdown(
     if chart:
         lines += [f"![wall time per case]({chart})", ""]
     return "\n".join(lines)
+
+
+def expert_table(
+    summaries: Sequence[CaseSummary], layouts: Sequence[dict[str, Any]], caches: Sequence[str]
+) -> str:
+    """The mixture-of-experts comparison (``MOE_CASES`` side by side: what each rank
+    holds by the plan and what it read), or "" when no case of an expert layout ran."""
+    rows = [s for s in summaries if s.case in MOE_CASES and s.runs]
+    if not any(CASES[s.case].layout != TP for s in rows):
+        return ""
+    plans = {(p["layout"], p["tp_size"]): p for p in layouts}
+    head = [
+        "case",
+        "layout",
+        "tp",
+        "cache",
+        "wall s (median)",
+        "min-max",
+        "x limit",
+        "rank MB read",
+        "shard MB (plan)",
+        "expert MB/rank (plan)",
+        "read / shard",
+    ]
+    out = [head, ["---"] * len(head)]
+    for cache in caches:
+        for s in sorted(
+            (s for s in rows if s.cache == cache),
+            key=lambda s: (s.tp_size, MOE_CASES.index(s.case)),
+        ):
+            plan = plans[(CASES[s.case].layout, s.tp_size)]
+            out.append(
+                [
+                    s.case,
+                    plan["layout"],
+                    str(s.tp_size),
+                    cache,
+                    f"{s.wall_s:.3f}",
+                    f"{s.wall_s_min:.2f}-{s.wall_s_max:.2f}",
+                    _num(s.x_limit, "{:.2f}"),
+                    f"{s.rank_bytes_read / MB:.0f}",
+                    f"{max(plan['rank_bytes']) / MB:.0f}",
+                    f"{max(plan['expert_bytes']) / MB:.0f}",
+                    f"{s.rank_bytes_read / max(plan['rank_bytes']):.3f}",
+                ]
+            )
+    all_experts = next(iter(plans.values()))["all_expert_bytes"]
+    lines = [
+        f"All experts' tensors: {all_experts / MB:.0f} MB. `rank MB read`: the most any rank "
+        "read (rchar); `read / shard`: that over the plan's shard for the rank."
+    ]
+    lines.append("\n".join("| " + " | ".join(r) + " |" for r in out))
+    return "\n\n".join(lines)
 
 
 def _amplification(rows: Sequence[dict[str, Any]]) -> str:

@@ -4,8 +4,8 @@ Order: for each repetition, for each cache state, for each TP size, the limits f
 then every case (A B C A B C ...), so slow drift of a shared machine spreads over all
 cases instead of biasing one. Each repetition takes its own row of a Williams design
 (:func:`balanced_order`), so every case runs right after every other case equally often
-(with a fixed order, cold ``converted`` always ran right after ``scratch``, and came out
-6-27% slower than it in four runs while the two were level when either ran alone).
+and what one case leaves behind lands on all the others alike (docs/benchmarks.md,
+"Order and repetitions", has the runs that showed why).
 
 Before a cold case every file any case may read (checkpoint and converted copies) is
 evicted from the page cache; before a warm case the files the case reads are read once.
@@ -27,8 +27,9 @@ from typing import Any, TypeVar
 
 from rayload.benchmark import probes
 from rayload.benchmark.cases import CASES, Case, RankJob
+from rayload.benchmark.layouts import TP, LayoutPlan, LoadOptions, load_options, summarize_layout
 from rayload.benchmark.worker import RankSample
-from rayload.errors import ConfigError
+from rayload.errors import ConfigError, ShardingError
 
 log = logging.getLogger(__name__)
 
@@ -131,20 +132,14 @@ class Prepared:
     converted_files: Mapping[int, tuple[str, ...]]
     skipped: Mapping[str, str] = field(default_factory=dict)
     """Case name -> why it cannot run here."""
+    options: Mapping[str, LoadOptions] = field(default_factory=lambda: {TP: LoadOptions()})
+    """Layout -> what ``load_rank`` is given for it, for every layout that runs."""
+    layouts: tuple[LayoutPlan, ...] = ()
+    """What each layout that runs gives each rank, per TP size."""
 
 
 def unavailable_reason(case: Case) -> str | None:
-    """Why ``case`` cannot run on this machine or with this rayload, or None."""
-    if case.kind == "rayload":
-        try:
-            from rayload.loading import load_rank  # noqa: F401
-        except ImportError:
-            return "rayload.loading.load_rank is not available in this build"
-    if case.name == "converted":
-        try:
-            from rayload.loading.convert import convert_checkpoint  # noqa: F401
-        except ImportError:
-            return "rayload.loading.convert.convert_checkpoint is not available in this build"
+    """Why ``case`` cannot run on this machine, or None."""
     if case.needs_cuda:
         import torch
 
@@ -158,9 +153,13 @@ def prepare(config: BenchConfig, progress: Progress) -> Prepared:
     requested = selected_cases(config)
     skipped = {n: r for n in requested if (r := unavailable_reason(CASES[n])) is not None}
     checkpoint = config.checkpoint or _generated_checkpoint(config, progress)
-    convert = any(CASES[n].reads_converted for n in requested if n not in skipped)
     return prepare_checkpoint(
-        checkpoint, config.tp_sizes, config.workdir, progress, convert=convert, skipped=skipped
+        checkpoint,
+        config.tp_sizes,
+        config.workdir,
+        progress,
+        cases=[n for n in requested if n not in skipped],
+        skipped=skipped,
     )
 
 
@@ -170,10 +169,12 @@ def prepare_checkpoint(
     workdir: str,
     progress: Progress,
     *,
-    convert: bool,
+    cases: Sequence[str],
     skipped: Mapping[str, str] | None = None,
 ) -> Prepared:
-    """Plan ``checkpoint`` for every TP size and, with ``convert``, make converted copies."""
+    """Plan ``checkpoint`` for every TP size in the layout of each of ``cases``, and make
+    converted copies when one of them reads them. A case whose layout this checkpoint
+    cannot have (experts divided, but there are none) is added to ``skipped``, with why."""
     from rayload.loading.checkpoint import open_checkpoint
     from rayload.loading.plan import plan_shards
 
@@ -184,10 +185,20 @@ def prepare_checkpoint(
         plan = plan_shards(ckpt, tp)
         splits[tp] = dict(plan.splits)
         plan_bytes[tp] = tuple(r.nbytes for r in plan.ranks)
-        if convert:
+        if any(CASES[n].reads_converted for n in cases):
             out = _converted_copy(checkpoint, files, tp, workdir, progress)
             converted[tp] = out
             converted_files[tp] = tuple(open_checkpoint(out).files)
+    skipped = dict(skipped or {})
+    options: dict[str, LoadOptions] = {}
+    layouts: list[LayoutPlan] = []
+    for layout in dict.fromkeys([TP, *(CASES[n].layout for n in cases)]):
+        try:
+            options[layout] = load_options(layout, ckpt)
+            layouts += [summarize_layout(layout, ckpt, tp, options[layout]) for tp in tp_sizes]
+        except (ConfigError, ShardingError) as exc:
+            options.pop(layout, None)
+            skipped.update({n: str(exc) for n in cases if CASES[n].layout == layout})
     return Prepared(
         checkpoint=str(checkpoint),
         files=files,
@@ -196,7 +207,9 @@ def prepare_checkpoint(
         plan_rank_bytes=plan_bytes,
         converted=converted,
         converted_files=converted_files,
-        skipped=dict(skipped or {}),
+        skipped=skipped,
+        options=options,
+        layouts=tuple(layouts),
     )
 
 
@@ -264,6 +277,7 @@ def run_case(
             # The local GPU by index: fastsafetensors refuses a bare "cuda".
             device="cuda:0" if config.device == "cuda" else config.device,
             verify=config.verify,
+            options=prep.options[case.layout],
         )
         for rank in range(ranks)
     ]

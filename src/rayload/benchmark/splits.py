@@ -67,7 +67,7 @@ def split_amplification(
             (tp,),
             config.workdir,
             progress,
-            convert="converted" in cases,
+            cases=cases,
         )
         for case in cases:
             sample = run_case(CASES[case], tp, "warm", 0, sub, config)

@@ -7,9 +7,10 @@ loads join that Ray. Runs with and without trace files alternate (off-on, on-off
 spread drift over both. Rank spans are recorded in both: rayload cannot switch span
 recording off, so "tracing on" measures the trace files and their export path.
 
-That difference is too noisy to judge a 3% target where actor start varies by seconds
-from one load to the next, so after every load the tracing work itself is replayed on
-that load's real rank reports and timed step by step
+That difference is too noisy to judge a target of a few percent where actor start varies
+far more from one load to the next (docs/benchmarks.md has the figures), so after every
+load the tracing work itself is replayed on that load's real rank reports and timed step
+by step
 (:mod:`rayload.benchmark.tracecost`): ``tracing`` in the result holds its median
 critical path and that as a percentage of each load's whole wall time and of its model
 loading time. The page cache is warm for every load: the cold-cache read is what the

@@ -1,9 +1,10 @@
 """The cost of rayload's tracing, timed directly on a real load's rank reports.
 
 Comparing whole ``rayload.load`` calls with and without trace files cannot resolve a few
-percent on a machine where actor start varies by seconds between calls. So this replays
-the tracing work of one load on that load's own :class:`~rayload.loading.report.RankReport`
-s, in the benchmark's driver process, and times each step on its own:
+percent where actor start varies far more between calls (docs/benchmarks.md). So this
+replays the tracing work of one load on that load's own
+:class:`~rayload.loading.report.RankReport` s, in the benchmark's driver process, and
+times each step on its own:
 
 ``rank_payload_s``  one rank: its phases -> OTLP protobuf bytes (``rank_spans_payload``),
                     done in every rank actor after its load, in parallel: the critical

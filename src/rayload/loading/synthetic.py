@@ -1,4 +1,4 @@
-"""Synthetic Llama-style checkpoints for tests, demos and benchmarks.
+"""Synthetic Llama and Mixtral checkpoints for tests, demos and benchmarks.
 
 :func:`write_checkpoint` writes real Hugging Face tensor names, a ``config.json`` and a
 ``model.safetensors.index.json`` over several shard files, in the safetensors format
@@ -20,7 +20,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -37,7 +37,9 @@ FILE_TARGET_BYTES = 256 * 1024 * 1024
 
 _CHUNK_WORDS = 1 << 21  # 16 MiB of random 64-bit words per write
 
-_FLOAT_DTYPES = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
+DTYPES: dict[str, str] = {"bf16": "BF16", "f16": "F16", "f32": "F32"}
+"""The ``dtype`` choices of :func:`write_checkpoint` -> their safetensors dtype."""
+_FLOAT_DTYPES = DTYPES  # the former private name, still imported by rayload.cli
 # Clears the top exponent bit of every element packed in a 64-bit word: |value| < 2.
 _FINITE_MASK = {
     "BF16": 0xBFFF_BFFF_BFFF_BFFF,
@@ -50,6 +52,9 @@ _TORCH_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 @dataclass(frozen=True)
 class LlamaShape:
     """The dimensions of a Llama decoder, as in its Hugging Face config.json."""
+
+    _architecture: ClassVar[str] = "LlamaForCausalLM"
+    _model_type: ClassVar[str] = "llama"
 
     vocab_size: int
     hidden_size: int
@@ -65,8 +70,7 @@ class LlamaShape:
 
     def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
         """(name, shape) of every tensor, in Hugging Face order."""
-        h, i, kv = self.hidden_size, self.intermediate_size, self.num_key_value_heads
-        kv_rows = kv * self.head_dim
+        h, kv_rows = self.hidden_size, self.num_key_value_heads * self.head_dim
         out: list[tuple[str, tuple[int, ...]]] = [
             ("model.embed_tokens.weight", (self.vocab_size, h))
         ]
@@ -77,9 +81,7 @@ class LlamaShape:
                 (p + "self_attn.k_proj.weight", (kv_rows, h)),
                 (p + "self_attn.v_proj.weight", (kv_rows, h)),
                 (p + "self_attn.o_proj.weight", (h, h)),
-                (p + "mlp.gate_proj.weight", (i, h)),
-                (p + "mlp.up_proj.weight", (i, h)),
-                (p + "mlp.down_proj.weight", (h, i)),
+                *self._feed_forward(p),
                 (p + "input_layernorm.weight", (h,)),
                 (p + "post_attention_layernorm.weight", (h,)),
             ]
@@ -88,11 +90,20 @@ class LlamaShape:
             out.append(("lm_head.weight", (self.vocab_size, h)))
         return out
 
+    def _feed_forward(self, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+        """The MLP tensors of the layer whose names start with ``prefix``."""
+        h, i = self.hidden_size, self.intermediate_size
+        return [
+            (prefix + "mlp.gate_proj.weight", (i, h)),
+            (prefix + "mlp.up_proj.weight", (i, h)),
+            (prefix + "mlp.down_proj.weight", (h, i)),
+        ]
+
     def config(self, dtype: str) -> dict[str, Any]:
         """A Hugging Face ``config.json`` for this shape stored in ``dtype`` (safetensors)."""
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [self._architecture],
+            "model_type": self._model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -109,11 +120,53 @@ class LlamaShape:
         }
 
 
+@dataclass(frozen=True)
+class MixtralShape(LlamaShape):
+    """A Mixtral decoder: Llama's attention and norms, and in place of the MLP a router
+    (``block_sparse_moe.gate``) over ``num_local_experts`` experts, each three matrices
+    (``w1`` gate and ``w3`` up: intermediate x hidden, ``w2`` down: hidden x
+    intermediate), of which ``num_experts_per_tok`` run per token."""
+
+    _architecture: ClassVar[str] = "MixtralForCausalLM"
+    _model_type: ClassVar[str] = "mixtral"
+
+    num_local_experts: int
+    num_experts_per_tok: int
+
+    def _feed_forward(self, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+        h, i, moe = self.hidden_size, self.intermediate_size, prefix + "block_sparse_moe."
+        out: list[tuple[str, tuple[int, ...]]] = [
+            (moe + "gate.weight", (self.num_local_experts, h))
+        ]
+        for expert in range(self.num_local_experts):
+            e = f"{moe}experts.{expert}."
+            out += [(e + "w1.weight", (i, h)), (e + "w2.weight", (h, i)), (e + "w3.weight", (i, h))]
+        return out
+
+    def config(self, dtype: str) -> dict[str, Any]:
+        return {
+            **super().config(dtype),
+            "max_position_embeddings": 32768,
+            "rope_theta": 1000000.0,
+            "sliding_window": None,
+            "num_local_experts": self.num_local_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.02,
+        }
+
+
 PRESETS: dict[str, LlamaShape] = {
     # A few MB; every split dimension divisible by 8, so TP 1, 2, 4 and 8 all work.
     "tiny-llama": LlamaShape(512, 256, 512, 2, 8, 4, tie_word_embeddings=False),
     # Llama-3.2-1B's real shapes: 2.47 GB in bf16.
     "llama-1b": LlamaShape(128256, 2048, 8192, 16, 32, 8, tie_word_embeddings=True),
+    # Mixtral's names and layout in about 13 MB: 8 experts, top 2, GQA (8 heads, 4 KV).
+    "tiny-mixtral": MixtralShape(512, 256, 512, 2, 8, 4, False, 8, 2),
+    # Mixtral-8x7B's layout at a quarter of its width: vocabulary 32000, 8 experts (top 2)
+    # of intermediate / hidden = 3.5, GQA 4:1 (16 heads of 64, 4 KV heads), 32 layers;
+    # 181 MB per layer in bf16, 97% of it experts' (5.9 GB; scale it with size_gb).
+    "mixtral-8e": MixtralShape(32000, 1024, 3584, 32, 16, 4, False, 8, 2),
 }
 
 
@@ -145,8 +198,8 @@ def write_checkpoint(
     num_files: int | None = None,
     seed: int = 0,
 ) -> Path:
-    """Write a synthetic Llama checkpoint (Hugging Face index layout) into directory ``out``
-    and return its path.
+    """Write a synthetic checkpoint of ``preset`` (one of :data:`PRESETS`; Hugging Face
+    index layout) into directory ``out`` and return its path.
 
     ``dtype`` is ``"bf16"``, ``"f16"`` or ``"f32"``; ``num_files`` defaults to one file per
     256 MiB, at least 2. ``out`` may exist but must not already hold a checkpoint.
@@ -189,9 +242,9 @@ def write_checkpoint(
 
 
 def _st_dtype(dtype: str) -> str:
-    if dtype not in _FLOAT_DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(_FLOAT_DTYPES)}")
-    return _FLOAT_DTYPES[dtype]
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
 
 
 def _empty_dir(root: Path) -> None:
