@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     from rayload.benchmark.cases import CASES
     from rayload.benchmark.runner import CACHES, BenchConfig
     from rayload.loading.methods import LoadMethod
-    from rayload.loading.synthetic import _FLOAT_DTYPES, FILE_TARGET_BYTES, PRESETS
+    from rayload.loading.synthetic import DTYPES, FILE_TARGET_BYTES, PRESETS
 
     bench = BenchConfig()  # its defaults, shown in bench's help
 
@@ -308,7 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_rules(p)
     _add_expert_parallel(p)
 
-    p = add("make-checkpoint", _cmd_make_checkpoint, "write a synthetic Llama-style checkpoint")
+    p = add(
+        "make-checkpoint",
+        _cmd_make_checkpoint,
+        "write a synthetic Llama- or Mixtral-shaped checkpoint",
+    )
     p.add_argument("out", help="output directory: new, or one that holds no checkpoint")
     p.add_argument(
         "--preset",
@@ -325,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         default="bf16",
-        choices=list(_FLOAT_DTYPES),
+        choices=list(DTYPES),
         help="tensor dtype: %(choices)s (default: %(default)s)",
     )
     p.add_argument(
