@@ -218,6 +218,7 @@ def test_unreachable_address_exits_2_in_seconds_naming_address_and_source(
     assert f"cannot reach a Ray cluster at {address}" in error and expected in error
     assert "--address local" in error
     assert json.loads(out)["kind"] == "ConfigError"  # --json: still one object on stdout
+    print(f"measured: unreachable address ({source}): exit 2 after {elapsed:.1f} s")
     assert elapsed < 30, f"took {elapsed:.1f} s"
 
 
@@ -250,6 +251,7 @@ def test_head_lost_exits_1_in_seconds_naming_phase_with_trace(
     error = _one_error_line(err)
     assert "head (GCS at" in error and f"stopped answering while {phase}" in error
     assert "Ray's logs: " in error
+    print(f"measured: head lost after {kill_after!r}: exit 1 {elapsed:.1f} s after the kill")
     assert elapsed < 20, f"took {elapsed:.1f} s after the head was lost"
     trace = json.loads((trace_dir / "trace.otlp.json").read_text())
     spans = [s for r in trace["resourceSpans"] for sc in r["scopeSpans"] for s in sc["spans"]]
@@ -269,8 +271,12 @@ def test_driver_waiting_on_hung_rank_idles_and_killed_leaves_nothing(
     time.sleep(20)
     after, waited = driver.cpu_times(), time.monotonic() - start
     used = (after.user + after.system - before.user - before.system) / waited
+    print(f"measured: driver waiting on a hung rank used {used:.2%} of a core over {waited:.0f} s")
     assert used < 0.05, f"the waiting driver used {used:.1%} of a core"
     # What a killed driver leaves: Ray's fate sharing ends its actors, its job's end its group.
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=30)
+    killed = time.monotonic()
     _no_leaks_within(head, env, timeout_s=30)
+    gone = time.monotonic() - killed
+    print(f"measured: killed driver's actors and group gone {gone:.1f} s later")
