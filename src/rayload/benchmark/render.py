@@ -12,6 +12,7 @@ from typing import Any
 from rayload.benchmark.cases import CASES
 from rayload.benchmark.layouts import TP
 from rayload.benchmark.summary import MB, MOE_CASES, CaseSummary, Target
+from rayload.tracing import metrics
 
 log = logging.getLogger(__name__)
 
@@ -215,11 +216,11 @@ def _breakdown(b: dict[str, Any]) -> str:
         ["Ray start (`ray.init`, once)", f"{b['ray_start_s']:.2f}", ""],
     ]
     for key, label in (
-        ("placement_seconds", "placement group"),
-        ("actor_startup_seconds", "actor start (slowest rank)"),
-        ("checkpoint_preparation_seconds", "rank: resolve + plan (slowest)"),
-        ("weight_population_seconds", "rank: weight load (slowest)"),
-        ("total_model_loading_seconds", "rank: total model loading (slowest)"),
+        (metrics.PLACEMENT, "placement group"),
+        (metrics.ACTOR_STARTUP, "actor start (slowest rank)"),
+        (metrics.PREPARATION, "rank: resolve + plan (slowest)"),
+        (metrics.POPULATION, "rank: weight load (slowest)"),
+        (metrics.TOTAL, "rank: total model loading (slowest)"),
         ("other_s", "driver: validate, clock sync, trace, metrics"),
         ("wall_s", "whole `rayload.load` call"),
     ):

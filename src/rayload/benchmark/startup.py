@@ -31,13 +31,14 @@ from typing import Any
 
 from rayload.benchmark.tracecost import cost_fractions, tracing_cost
 from rayload.errors import LoadFailedError
+from rayload.tracing import metrics
 
 PARTS = (
-    "placement_seconds",
-    "actor_startup_seconds",
-    "checkpoint_preparation_seconds",
-    "weight_population_seconds",
-    "total_model_loading_seconds",
+    metrics.PLACEMENT,
+    metrics.ACTOR_STARTUP,
+    metrics.PREPARATION,
+    metrics.POPULATION,
+    metrics.TOTAL,
 )
 
 
@@ -93,8 +94,7 @@ def _one_load(checkpoint: str, tp: int, method: str, device: str, trace: bool) -
     run: dict[str, Any] = {"trace_files": trace, "wall_s": loaded}
     run.update({k: aggregate[k]["max"] for k in PARTS})
     run["other_s"] = loaded - sum(
-        run[k]
-        for k in ("placement_seconds", "actor_startup_seconds", "total_model_loading_seconds")
+        run[k] for k in (metrics.PLACEMENT, metrics.ACTOR_STARTUP, metrics.TOTAL)
     )
     run["tracing"] = tracing_cost(reports)
     run["tracing"].update(cost_fractions(run["tracing"], run))

@@ -32,7 +32,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace import ReadableSpan
 
 from rayload.loading.report import RankReport
-from rayload.tracing import schema
+from rayload.tracing import metrics, schema
 from rayload.tracing.exporters.files import write_trace_files
 from rayload.tracing.rank_spans import rank_spans_payload, report_attributes
 from rayload.tracing.trace import StartupTrace
@@ -125,5 +125,5 @@ def cost_fractions(cost: dict[str, float], run: dict[str, Any]) -> dict[str, flo
     path = cost["critical_path_s"]
     return {
         "pct_of_load": 100 * path / run["wall_s"],
-        "pct_of_model_loading": 100 * path / run["total_model_loading_seconds"],
+        "pct_of_model_loading": 100 * path / run[metrics.TOTAL],
     }
