@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from rayload import import_clock  # noqa: F401  (first: it times this import and torch's)
 from rayload.errors import RayloadError
 from rayload.loading.methods import LoadMethod
 

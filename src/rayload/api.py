@@ -25,7 +25,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import Any
 
@@ -36,6 +36,7 @@ from rayload.actors.hooks import hooks_from_env
 from rayload.actors.launch import (
     load_ranks,
     plan_process_group,
+    reload_ranks,
     spawn_ranks,
     spawn_seconds,
 )
@@ -47,6 +48,7 @@ from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.methods import LoadMethod
 from rayload.loading.model import ModelContext, ModelFactory
 from rayload.loading.plan import ShardPlan, plan_shards
+from rayload.loading.rank import same_plan_problem
 from rayload.loading.report import RankReport, mixed_method_warnings
 from rayload.loading.rules import resolve_rules
 from rayload.options import (
@@ -104,6 +106,8 @@ class LoadResult:
     _group: RankActorGroup | None = field(default=None, repr=False)
     _started_ray: bool = field(default=False, repr=False)
     _outputs: _TraceOutputs | None = field(default=None, repr=False)
+    _request: LoadRequest | None = field(default=None, repr=False)
+    _reloads: int = field(default=0, repr=False)
 
     @property
     def tp_size(self) -> int:
@@ -142,6 +146,92 @@ class LoadResult:
         if error is not None:
             raise error
         return results
+
+    def reload(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        method: str | LoadMethod | None = None,
+        timeout: float = 600.0,
+    ) -> ReloadResult:
+        """Read the checkpoint at ``path`` (default: the one loaded, again) into the same
+        actors' resident tensors, in place: no actor is started, no tensor allocated or
+        replaced, so a ``model=`` module (whose parameters share the tensors' storage) has
+        the new weights. ``method`` defaults to the load's.
+
+        The checkpoint must have the load's plan: the same tensors on every rank, with the
+        same shapes and dtypes. The driver checks that from the headers before any byte is
+        written; otherwise a :class:`~rayload.errors.CheckpointError` names the first tensor
+        that differs and nothing changes. ``scratch`` and ``converted`` read straight into
+        the tensors; the other methods load fresh ones and copy them in (said on the rank's
+        ``rank.to_device``: ``rayload.copied_into_resident``).
+
+        The reload is its own trace (root ``rayload.reload``), written to
+        ``<trace_dir>/reload-<n>/`` of the load's ``trace_dir`` and exported over OTLP like
+        the load's. Returns a :class:`ReloadResult`; :attr:`ranks` becomes its reports,
+        :attr:`startup_metrics` stays the load's. A rank that fails raises its error (as
+        for :func:`load`) and the actors stay up: a rank that failed before writing keeps
+        its old weights; the message and ``error.overwritten`` (rank -> tensor names) say
+        exactly which tensors had begun to be overwritten.
+        """
+        self._check_open()
+        assert self._group is not None
+        if self._request is None or self._outputs is None:
+            raise RuntimeError("this LoadResult was not made by rayload.load: nothing to reload")
+        start_ns = time.time_ns()
+        loaded = self._request
+        requested = loaded.method if method is None else method
+        source = _validate(
+            loaded.path if path is None else path,
+            self.tp_size,
+            requested,
+            loaded.device,
+            self.placement.strategy,
+            timeout,
+            loaded.model_role,
+        )
+        deadline = time.monotonic() + timeout
+        _check_same_plan(self.plan, source, loaded)
+        trace = StartupTrace(
+            tp_size=self.tp_size,
+            model_role=loaded.model_role,
+            start_ns=start_ns,
+            root_name=schema.RELOAD_ROOT_SPAN,
+        )
+        trace.add_span(schema.PREPARE_SPAN, start_ns, time.time_ns(), {"path": source})
+        self._reloads += 1
+        outputs = self._outputs.reload_outputs(self._reloads)
+        outputs.prepare()
+        request = replace(
+            loaded,
+            path=source,
+            method=str(LoadMethod(requested)),
+            traceparent=trace.traceparent(),
+        )
+        try:
+            ranks = reload_ranks(trace, self._group, request, deadline=deadline, timeout=timeout)
+        except BaseException as exc:
+            outputs.write(trace.finish(error=str(exc) or type(exc).__name__))
+            raise
+        warnings = mixed_method_warnings(ranks)
+        metrics = startup_metrics(
+            ranks,
+            placement_seconds=0.0,
+            actor_startup_seconds={},
+            model_role=loaded.model_role,
+        )
+        files = outputs.write(trace.finish())
+        self.ranks = ranks
+        self._request = replace(loaded, path=source)
+        return ReloadResult(
+            trace_id=trace.trace_id,
+            path=source,
+            ranks=ranks,
+            startup_metrics=metrics,
+            warnings=warnings,
+            trace_files=files,
+            trace=trace,
+        )
 
     def write_trace(self, trace_dir: str | os.PathLike[str] | None = None) -> dict[str, str]:
         """Write the trace again, now with the engine phases, to ``trace_dir`` (default: the
@@ -345,7 +435,41 @@ def load(
         _group=group,
         _started_ray=started_ray,
         _outputs=outputs,
+        _request=request,
     )
+
+
+@dataclass(frozen=True)
+class ReloadResult:
+    """What :meth:`LoadResult.reload` did: its own trace, the ranks' reports and the
+    metrics of the reload (keys as the load's; ``placement_seconds`` 0 and
+    ``actor_startup_seconds`` null: no placement, no actor started)."""
+
+    trace_id: str
+    path: str
+    ranks: list[RankReport]
+    startup_metrics: dict[str, Any]
+    warnings: list[str] = field(default_factory=list)
+    trace_files: dict[str, str] = field(default_factory=dict)
+    trace: StartupTrace | None = field(default=None, repr=False, compare=False)
+
+
+def _check_same_plan(loaded: ShardPlan, source: str, request: LoadRequest) -> None:
+    """Raise :class:`CheckpointError` naming the first tensor the checkpoint at ``source``
+    plans differently from the loaded plan (from its headers: no tensor data read)."""
+    checkpoint = open_checkpoint(source)
+    plan = plan_shards(
+        checkpoint, loaded.tp_size, rules=request.rules, expert_parallel=request.expert_parallel
+    )
+    problem = same_plan_problem(loaded, plan)
+    if problem is not None:
+        tensor, message = problem
+        raise CheckpointError(
+            f"{source}: cannot reload into the loaded tensors: {message}; a reload needs the "
+            "load's tensors, shapes and dtypes (load a different model with rayload.load)",
+            file=source,
+            tensor=tensor or None,
+        )
 
 
 @dataclass(frozen=True)
@@ -359,6 +483,11 @@ class _TraceOutputs:
         """Fail before the load, not after it, when the trace directory is unwritable."""
         if self.trace_dir is not None:
             prepare_trace_dir(os.fspath(self.trace_dir))
+
+    def reload_outputs(self, n: int) -> _TraceOutputs:
+        """Where the ``n``-th reload's trace goes: ``<trace_dir>/reload-<n>``, same OTLP."""
+        trace_dir = None if self.trace_dir is None else os.path.join(self.trace_dir, f"reload-{n}")
+        return _TraceOutputs(trace_dir, self.otlp_endpoint)
 
     def write(self, spans: Sequence[Any]) -> dict[str, str]:
         """Write the trace files (format -> path) and export over OTLP to the endpoint or
@@ -460,4 +589,12 @@ def _notify(progress: ProgressCallback | None, event: LoadProgress) -> None:
         progress(event)
 
 
-__all__ = ["LoadProgress", "LoadResult", "ModelContext", "ProgressCallback", "RankState", "load"]
+__all__ = [
+    "LoadProgress",
+    "LoadResult",
+    "ModelContext",
+    "ProgressCallback",
+    "RankState",
+    "ReloadResult",
+    "load",
+]

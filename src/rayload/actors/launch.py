@@ -10,10 +10,10 @@ to the trace, so :func:`rayload.load` reads as the sequence of steps.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NoReturn
 
-from rayload.actors.messages import LoadRequest, RankOutcome
+from rayload.actors.messages import ActorInfo, LoadRequest, RankOutcome
 from rayload.actors.process_group import (
     ProcessGroupSpec,
     init_method,
@@ -21,15 +21,18 @@ from rayload.actors.process_group import (
     resolve_backend,
 )
 from rayload.actors.rank_group import RankActorGroup, RankFailure, failure_error
+from rayload.errors import RayloadError
 from rayload.loading.report import RankReport
 from rayload.progress import LoadProgress, ProgressCallback
 from rayload.tracing import StartupTrace, schema
+from rayload.tracing.spawn_spans import SpawnPhase, SpawnTimes, spawn_phases
 
 
 def spawn_ranks(
     trace: StartupTrace, group: RankActorGroup, *, deadline: float, timeout: float
 ) -> None:
-    """Start every rank's actor, measure the clock offsets, record ``rayload.spawn``."""
+    """Start every rank's actor, measure the clock offsets, record ``rayload.spawn`` (with
+    its phases) and ``rayload.clock_sync``."""
     since_ns = time.time_ns()
     failure = group.spawn(deadline=deadline)
     if failure is None:
@@ -97,20 +100,120 @@ def load_ranks(
     return [report for report in reports if report is not None]
 
 
+def reload_ranks(
+    trace: StartupTrace,
+    group: RankActorGroup,
+    request: LoadRequest,
+    *,
+    deadline: float,
+    timeout: float,
+) -> list[RankReport]:
+    """Reload every rank into its resident tensors, merge their spans into ``trace``,
+    return the reports by rank. The ranks keep running whatever happens (their weights
+    are the caller's to keep or drop); a failure raises the error naming the first
+    failed rank, with what every rank overwrote (``.overwritten``: rank -> tensors, empty
+    where nothing was written)."""
+    finished = group.reload(request, deadline=deadline)
+    for outcome in finished.outcomes.values():
+        trace.add_rank(outcome.spans, *group.clock_offsets.get(outcome.rank, (0, None)))
+    failure = finished.failure
+    if failure is not None:
+        now = time.time_ns()
+        for rank in range(group.tp_size):
+            if rank not in finished.outcomes:
+                cause = failure.cause if rank == failure.rank else "no answer"
+                trace.add_missing_rank(rank, group.node_id(rank), cause, finished.dispatch_ns, now)
+        raise _reload_error(failure, finished.outcomes, group.tp_size, timeout)
+    reports = [finished.outcomes[rank].report for rank in range(group.tp_size)]
+    return [report for report in reports if report is not None]
+
+
+def _reload_error(
+    failure: RankFailure, outcomes: Mapping[int, RankOutcome], tp_size: int, timeout: float
+) -> RayloadError:
+    """The failed reload's error, saying which tensors each rank overwrote."""
+    error = failure_error(failure, timeout_s=timeout)
+    overwritten = {rank: o.overwritten for rank, o in sorted(outcomes.items())}
+    unknown = [rank for rank in range(tp_size) if rank not in outcomes]
+    parts = []
+    for rank, names in overwritten.items():
+        if names:
+            shown = ", ".join(names[:_SHOWN_TENSORS])
+            more = f" and {len(names) - _SHOWN_TENSORS} more" if len(names) > _SHOWN_TENSORS else ""
+            parts.append(f"rank {rank} overwrote {len(names)} tensor(s): {shown}{more}")
+    if unknown:
+        parts.append(f"rank(s) {unknown} did not answer: their tensors may be partly overwritten")
+    if parts:
+        summary = "; ".join(parts) + "; every other tensor keeps the weights it had"
+    else:
+        summary = "no tensor was overwritten: every rank keeps the weights it had"
+    error.args = (f"reload failed: {error}; {summary}",)
+    error.overwritten = overwritten  # type: ignore[attr-defined]
+    return error
+
+
+_SHOWN_TENSORS = 5
+
+
 def _record_spawns(trace: StartupTrace, group: RankActorGroup) -> None:
-    """One ``rayload.spawn`` span per rank that came up."""
+    """One ``rayload.spawn`` span per rank that came up, with the phases of its start-up
+    as children (:func:`~rayload.tracing.spawn_spans.spawn_phases`), then one
+    ``rayload.clock_sync`` per rank whose clock was measured."""
     for rank, info in sorted(group.infos.items()):
         start, end = group.spawn_interval(rank)
+        offset = group.clock_offsets.get(rank, (0, 0))[0]
         attributes: dict[str, Any] = {
             "rank": rank,
             "node_id": info.node_id,
             "pid": info.pid,
             "gpu_ids": ",".join(info.gpu_ids),
+            "cuda_context_skipped": info.cuda_skipped,
         }
         if info.process_start_ns is not None:
-            offset = group.clock_offsets.get(rank, (0, 0))[0]
             attributes["process_age_ms"] = (start - (info.process_start_ns - offset)) / 1e6
-        trace.add_span(schema.SPAWN_SPAN, start, end, attributes)
+        spawn = trace.add_span(schema.SPAWN_SPAN, start, end, attributes)
+        _record_phases(trace, spawn, rank, spawn_phases(start, end, _spawn_times(info, offset)))
+    for rank, samples in sorted(group.clock_samples.items()):
+        if not samples or rank not in group.clock_offsets:
+            continue
+        offset_ns, rtt_ns = group.clock_offsets[rank]
+        trace.add_span(
+            schema.CLOCK_SYNC_SPAN,
+            min(t_send for t_send, _, _ in samples),
+            max(t_recv for _, _, t_recv in samples),
+            {
+                "rank": rank,
+                "rounds": len(samples),
+                "clock_offset_ms": offset_ns / 1e6,
+                "clock_rtt_ms": rtt_ns / 1e6,
+            },
+        )
+
+
+def _spawn_times(info: ActorInfo, offset: int) -> SpawnTimes:
+    """The actor's own start-up times moved onto the driver's clock."""
+    return SpawnTimes(
+        process_start_ns=None if info.process_start_ns is None else info.process_start_ns - offset,
+        imports=[(package, a - offset, b - offset) for package, a, b in info.imports],
+        init_start_ns=info.init_start_ns - offset,
+        cuda_context=None
+        if info.cuda_context is None
+        else (info.cuda_context[0] - offset, info.cuda_context[1] - offset),
+    )
+
+
+def _record_phases(
+    trace: StartupTrace, parent: Any, rank: int, phases: Sequence[SpawnPhase]
+) -> None:
+    for phase in phases:
+        span = trace.add_span(
+            phase.name,
+            phase.start_ns,
+            phase.end_ns,
+            {"rank": rank, **phase.attributes},
+            parent=parent,
+        )
+        _record_phases(trace, span, rank, phase.children)
 
 
 def spawn_seconds(group: RankActorGroup) -> dict[int, float]:

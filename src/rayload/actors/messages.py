@@ -44,6 +44,9 @@ class ActorInfo:
     Times are the actor's wall clock (``time.time_ns``, plus any injected skew): the driver
     corrects them with the measured clock offset. ``process_start_ns`` is when the worker
     process was launched; Ray may reuse a pre-started worker, so it can precede the spawn.
+    ``imports`` are ``(package, start_ns, end_ns)`` of the actor module's imports (see
+    ``rank_actor.IMPORT_TIMES``); ``cuda_context`` is when ``__init__`` created the CUDA
+    context, None with the reason in ``cuda_skipped`` when it did not (no GPU).
     """
 
     rank: int
@@ -55,6 +58,9 @@ class ActorInfo:
     init_start_ns: int
     init_end_ns: int
     process_start_ns: int | None
+    imports: tuple[tuple[str, int, int], ...] = ()
+    cuda_context: tuple[int, int] | None = None
+    cuda_skipped: str | None = None
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,9 @@ class RankOutcome:
     end_ns: int
     report: RankReport | None = None
     error: RankError | None = None
+    overwritten: tuple[str, ...] = ()
+    """A reload: the tensors it had begun to write (every one when it succeeded; after a
+    failure those may hold new bytes, the others keep the old ones). Empty for a load."""
 
 
 @dataclass(frozen=True)
@@ -140,3 +149,14 @@ class Applied:
 
     value: Any
     spans: bytes | None = None
+
+
+__all__ = [
+    "ActorInfo",
+    "Applied",
+    "LoadRequest",
+    "RankError",
+    "RankOutcome",
+    "RankSetup",
+    "RankState",
+]

@@ -9,19 +9,29 @@ The class is plain Python; the driver wraps it with ``ray.remote`` and the resou
 rank's bundle (see :mod:`rayload.actors.rank_group`).
 """
 
+# ruff: noqa: E402  (the imports are timed: each group is stamped before and after)
 from __future__ import annotations
+
+import time
+
+_ACTOR_MODULE_START_NS = time.time_ns()
+
+import opentelemetry.sdk.trace
+from opentelemetry.exporter.otlp.proto.common import trace_encoder
+
+_OPENTELEMETRY_IMPORTED_NS = time.time_ns()
 
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import ray
+import torch
 
-from rayload.actors.device import rank_device
+from rayload.actors.device import LOCAL_CUDA_DEVICE, rank_device
 from rayload.actors.hooks import INIT_PHASE, FaultInjection, FaultyTimer
 from rayload.actors.messages import (
     ActorInfo,
@@ -33,12 +43,32 @@ from rayload.actors.messages import (
     RankState,
 )
 from rayload.actors.process_group import free_port, join_process_group, leave_process_group
+from rayload.import_clock import IMPORT_START_NS, TORCH_IMPORTED_NS
 from rayload.loading import load_rank
 from rayload.loading.model import ModelContext, build_and_fill, engine_phases
 from rayload.loading.probe import EnvProbe, probe_environment
-from rayload.loading.rank import PostLoad
+from rayload.loading.rank import PostLoad, reload_rank
 from rayload.loading.report import PhaseTimer, RankReport
 from rayload.tracing.rank_spans import engine_spans_payload, rank_spans_payload, report_attributes
+
+_IMPORTS_END_NS = time.time_ns()
+
+IMPORT_TIMES: tuple[tuple[str, int, int], ...] = (
+    ("torch", IMPORT_START_NS, TORCH_IMPORTED_NS),
+    ("rayload", TORCH_IMPORTED_NS, _ACTOR_MODULE_START_NS),
+    ("opentelemetry", _ACTOR_MODULE_START_NS, _OPENTELEMETRY_IMPORTED_NS),
+    ("rayload.actors", _OPENTELEMETRY_IMPORTED_NS, _IMPORTS_END_NS),
+)
+"""``(package, start_ns, end_ns)`` of the imports that made this module, on this process's
+wall clock, in order.
+
+In a rank's worker, importing this module (Ray does, to build the actor) is what imports
+rayload: ``import rayload`` first times torch on its own, then the rest of the package
+(``rayload.loading``: numpy, safetensors headers, pydantic); this module then imports
+OpenTelemetry (the rank's spans) and the actor's own modules. The driver turns them into
+the ``rayload.spawn.import.<package>`` spans."""
+
+del opentelemetry, trace_encoder  # imported above only to time them
 
 log = logging.getLogger(__name__)
 
@@ -76,17 +106,39 @@ class RankActor:
         self._host_name = socket.gethostname()
         context = ray.get_runtime_context()
         self._node_id = context.get_node_id()
+        gpu_ids = tuple(str(g) for g in ray.get_gpu_ids())
+        cuda_context, cuda_skipped = self._create_cuda_context(gpu_ids)
         self._info = ActorInfo(
             rank=rank,
             node_id=self._node_id,
             host_name=self._host_name,
             pid=os.getpid(),
-            gpu_ids=tuple(str(g) for g in ray.get_gpu_ids()),
+            gpu_ids=gpu_ids,
             cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
             init_start_ns=init_start_ns,
             init_end_ns=self.clock(),
             process_start_ns=self._process_start_ns(),
+            imports=tuple(
+                (name, a + self._skew_ns, b + self._skew_ns) for name, a, b in IMPORT_TIMES
+            ),
+            cuda_context=cuda_context,
+            cuda_skipped=cuda_skipped,
         )
+
+    def _create_cuda_context(
+        self, gpu_ids: tuple[str, ...]
+    ) -> tuple[tuple[int, int] | None, str | None]:
+        """Create the CUDA context on the rank's GPU now, while the actor starts, so its
+        cost is its own span (``rayload.spawn.cuda_context``), not hidden in the first read.
+        Returns its ``(start_ns, end_ns)``, or None and why it was skipped."""
+        if not gpu_ids:
+            return None, "no GPU assigned to the actor"
+        if not torch.cuda.is_available():
+            return None, "torch sees no CUDA device"
+        start = self.clock()
+        torch.zeros(1, device=LOCAL_CUDA_DEVICE)
+        torch.cuda.synchronize(LOCAL_CUDA_DEVICE)
+        return (start, self.clock()), None
 
     def _probe(self) -> EnvProbe | None:
         """The environment probe with the TEST HOOK's overrides; None: probe as usual."""
@@ -153,6 +205,19 @@ class RankActor:
             log.exception("rank %d failed to load %s", self._rank, request.path)
             error = RankError.from_exception(exc)
             self._tensors, self._model = {}, None
+        return self._outcome(request, timer, start_ns, report, error)
+
+    def _outcome(
+        self,
+        request: LoadRequest,
+        timer: PhaseTimer,
+        start_ns: int,
+        report: RankReport | None,
+        error: RankError | None,
+        *,
+        overwritten: set[str] | None = None,
+    ) -> RankOutcome:
+        """The load's (or reload's) outcome, with this rank's spans."""
         end_ns = self.clock()
         if report is not None:
             attributes = report_attributes(report)
@@ -160,6 +225,8 @@ class RankActor:
             start_ns, end_ns = min(start_ns, report.start_ns), report.end_ns
         else:
             attributes = {"node_id": self._node_id, "model_role": request.model_role}
+        if overwritten is not None:
+            attributes["reload.overwritten_tensors"] = len(overwritten)
         spans = rank_spans_payload(
             traceparent=request.traceparent,
             rank=self._rank,
@@ -179,7 +246,46 @@ class RankActor:
             end_ns=end_ns,
             report=report,
             error=error,
+            overwritten=tuple(sorted(overwritten or ())),
         )
+
+    def reload(self, request: LoadRequest) -> RankOutcome:
+        """Read ``request.path`` into this rank's resident tensors, in place (see
+        :func:`rayload.loading.rank.reload_rank`): no tensor is allocated or replaced, so
+        the ``model=`` module, whose parameters share their storage, has the new weights.
+        ``request`` is the load's, with the new path, method and traceparent. Never raises
+        for a failed reload: the outcome carries the error, the spans and the tensors the
+        reader had begun to write (``overwritten``)."""
+        timer = self._timer()
+        start_ns = self.clock()
+        report: RankReport | None = None
+        error: RankError | None = None
+        written: set[str] = set()
+        try:
+            if self._report is None:
+                raise RuntimeError(f"rank {self._rank} has no loaded weights to reload into")
+            report = reload_rank(
+                request.path,
+                self._rank,
+                request.tp_size,
+                self._tensors,
+                request.method,
+                self._report.device,
+                strict=request.strict,
+                rules=request.rules,
+                model_role=request.model_role,
+                probe=self._probe(),
+                timer=timer,
+                expert_parallel=request.expert_parallel,
+                written=written,
+            )
+            report = _with_node(report, self._node_id)
+            self._report = report
+            self._request = replace(self._request or request, path=request.path)
+        except Exception as exc:
+            log.exception("rank %d failed to reload %s", self._rank, request.path)
+            error = RankError.from_exception(exc)
+        return self._outcome(request, timer, start_ns, report, error, overwritten=written)
 
     def shutdown(self, timeout_s: float) -> bool:
         """Leave the load's process group (best effort, at most ``timeout_s``) and drop the
@@ -282,8 +388,6 @@ class RankActor:
 
 
 def _cuda_device_count() -> int:
-    import torch
-
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 

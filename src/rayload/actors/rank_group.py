@@ -84,6 +84,7 @@ class RankActorGroup:
     spawn_start_ns: dict[int, int] = field(default_factory=dict)
     ready_ns: dict[int, int] = field(default_factory=dict)
     clock_offsets: dict[int, tuple[int, int]] = field(default_factory=dict)
+    clock_samples: dict[int, list[ClockSample]] = field(default_factory=dict)
     placed_nodes: dict[int, str | None] = field(default_factory=dict)
 
     @property
@@ -131,6 +132,7 @@ class RankActorGroup:
         """Measure every rank's clock offset: ``rounds`` parallel round trips per rank (a
         rank's receive time is taken as soon as its answer is ready)."""
         samples: dict[int, list[ClockSample]] = {rank: [] for rank in range(self.tp_size)}
+        self.clock_samples = samples
         for _ in range(rounds):
             t_send = time.time_ns()
             waiting = {actor.clock.remote(): rank for rank, actor in enumerate(self.actors)}
@@ -194,13 +196,7 @@ class RankActorGroup:
         def on_outcome(rank: int, outcome: RankOutcome) -> RankFailure | None:
             outcomes[rank] = outcome
             if outcome.error is not None:
-                return RankFailure(
-                    rank=rank,
-                    node_id=outcome.node_id,
-                    kind="raised",
-                    cause=outcome.error.describe(),
-                    input_error=outcome.error.input_error,
-                )
+                return _raised(outcome)
             if on_rank_done is not None:
                 on_rank_done(outcome)
             return None
@@ -211,6 +207,24 @@ class RankActorGroup:
             failure=failure,
             dispatch_ns=dispatch_ns,
         )
+
+    def reload(self, request: LoadRequest, *, deadline: float) -> GroupLoad:
+        """Reload every rank in parallel into its resident tensors (``RankActor.reload``).
+        Unlike :meth:`load`, a rank that fails does not end the wait: every rank's outcome
+        is collected (until ``deadline``), so each says what it overwrote; ``failure`` is
+        the first failed rank by rank order."""
+        dispatch_ns = time.time_ns()
+        waiting = {actor.reload.remote(request): rank for rank, actor in enumerate(self.actors)}
+        outcomes: dict[int, RankOutcome] = {}
+
+        def on_outcome(rank: int, outcome: RankOutcome) -> None:
+            outcomes[rank] = outcome
+
+        failure = self._gather(waiting, deadline, "reload", on_outcome)
+        failed = [o for _, o in sorted(outcomes.items()) if o.error is not None]
+        if failure is None and failed:
+            failure = _raised(failed[0])
+        return GroupLoad(outcomes=outcomes, failure=failure, dispatch_ns=dispatch_ns)
 
     def shutdown(self, *, timeout_s: float) -> None:
         """Ask every rank to leave its process group (each waits at most ``timeout_s``);
@@ -277,6 +291,18 @@ class RankActorGroup:
             if failure is not None:
                 return failure
         return None
+
+
+def _raised(outcome: RankOutcome) -> RankFailure:
+    """The failure of a rank whose load (or reload) raised."""
+    assert outcome.error is not None
+    return RankFailure(
+        rank=outcome.rank,
+        node_id=outcome.node_id,
+        kind="raised",
+        cause=outcome.error.describe(),
+        input_error=outcome.error.input_error,
+    )
 
 
 def describe_actor_error(exc: RayActorError) -> str:

@@ -12,20 +12,20 @@ failed load survive the exception.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
 from rayload.errors import MethodUnavailableError
-from rayload.loading.backends import BACKENDS
+from rayload.loading.backends import BACKENDS, BackendResult
 from rayload.loading.checkpoint import Checkpoint, open_checkpoint
 from rayload.loading.manifest import verify_file_checksum
 from rayload.loading.methods import LoadMethod, MethodReport
-from rayload.loading.plan import plan_shards
+from rayload.loading.plan import RankPlan, ShardPlan, plan_shards
 from rayload.loading.probe import EnvProbe, probe_environment
 from rayload.loading.reader import ReaderOptions
 from rayload.loading.report import PLAN, POST_LOAD, RESOLVE, PhaseTimer, RankReport
-from rayload.loading.resolve import LayoutInfo, log_fallback, resolve_method
+from rayload.loading.resolve import LayoutInfo, Resolution, log_fallback, resolve_method
 from rayload.loading.rules import RulesArg
 from rayload.options import check_model_role, check_rank, check_tp_size, parse_method
 
@@ -74,6 +74,133 @@ def load_rank(
     """
     timer = timer if timer is not None else PhaseTimer()
     start_ns = timer.clock()
+    plan, resolution, result = _run(
+        path,
+        rank,
+        tp_size,
+        method,
+        device,
+        timer,
+        strict=strict,
+        rules=rules,
+        model_role=model_role,
+        probe=probe,
+        reader_options=reader_options,
+        expert_parallel=expert_parallel,
+    )
+    tensors = result.tensors
+
+    with timer.phase(POST_LOAD, device=resolution.device):
+        if post_load is not None:
+            post_load(tensors)
+            if torch.device(resolution.device).type == "cuda":
+                torch.cuda.synchronize(resolution.device)
+    return tensors, _report(plan, resolution, result, start_ns, timer, model_role)
+
+
+def reload_rank(
+    path: str | os.PathLike[str],
+    rank: int,
+    tp_size: int,
+    tensors: Mapping[str, torch.Tensor],
+    method: LoadMethod | str = "scratch",
+    device: str | torch.device = "cpu",
+    *,
+    strict: bool = False,
+    rules: RulesArg = None,
+    model_role: str = "main",
+    probe: EnvProbe | None = None,
+    timer: PhaseTimer | None = None,
+    reader_options: ReaderOptions | None = None,
+    expert_parallel: bool = False,
+    written: set[str] | None = None,
+) -> RankReport:
+    """Load rank ``rank`` of the checkpoint at ``path`` into ``tensors``, the rank's
+    resident tensors from an earlier :func:`load_rank` (or views a ``model=`` module shares
+    them through), in place: no tensor is allocated or replaced, so whatever shares their
+    storage sees the new values.
+
+    The checkpoint must give the rank the same tensors with the same shapes: checked after
+    ``rank.plan`` and before any byte is written (a :class:`CheckpointError` naming the
+    first tensor that differs; ``tensors`` are then untouched). ``scratch`` and
+    ``converted`` read straight into the tensors; the other methods load fresh tensors and
+    copy them in (the report's ``rank.to_device`` with ``copied_into_resident=True``).
+    ``written`` collects the names of the tensors the backend began to write: after a
+    failure, exactly those may hold new bytes. Other arguments as for :func:`load_rank`;
+    the phases are the same (``rank.post_load`` is empty).
+    """
+    timer = timer if timer is not None else PhaseTimer()
+    start_ns = timer.clock()
+    plan, resolution, result = _run(
+        path,
+        rank,
+        tp_size,
+        method,
+        device,
+        timer,
+        strict=strict,
+        rules=rules,
+        model_role=model_role,
+        probe=probe,
+        reader_options=reader_options,
+        expert_parallel=expert_parallel,
+        into=tensors,
+        written=written if written is not None else set(),
+    )
+    with timer.phase(POST_LOAD, device=resolution.device):
+        pass
+    return _report(plan, resolution, result, start_ns, timer, model_role)
+
+
+def same_plan_problem(loaded: ShardPlan, new: ShardPlan) -> tuple[str, str] | None:
+    """Why ``new`` cannot be read into the tensors ``loaded`` made, as ``(tensor,
+    message)``, or None when every rank has the same tensors, in the same order, with the
+    same shapes and dtypes. The message names the first tensor that differs."""
+    if loaded.tp_size != new.tp_size:
+        return (
+            "",
+            f"the checkpoint is planned for tp_size {new.tp_size}, the load has {loaded.tp_size}",
+        )
+    for old_rank, new_rank in zip(loaded.ranks, new.ranks, strict=True):
+        old_shards = {s.name: s for s in old_rank.shards}
+        new_shards = {s.name: s for s in new_rank.shards}
+        for name, shard in new_shards.items():
+            old = old_shards.get(name)
+            if old is None:
+                return (
+                    name,
+                    f"rank {new_rank.rank}: tensor {name!r} is new (the load has no such tensor)",
+                )
+            if (old.shape, old.dtype) != (shard.shape, shard.dtype):
+                return name, (
+                    f"rank {new_rank.rank}: tensor {name!r} is {shard.dtype} "
+                    f"{list(shard.shape)}, the loaded one is {old.dtype} {list(old.shape)}"
+                )
+        for name in old_shards:
+            if name not in new_shards:
+                return name, f"rank {new_rank.rank}: tensor {name!r} is missing"
+    return None
+
+
+def _run(
+    path: str | os.PathLike[str],
+    rank: int,
+    tp_size: int,
+    method: LoadMethod | str,
+    device: str | torch.device,
+    timer: PhaseTimer,
+    *,
+    strict: bool,
+    rules: RulesArg,
+    model_role: str,
+    probe: EnvProbe | None,
+    reader_options: ReaderOptions | None,
+    expert_parallel: bool,
+    into: Mapping[str, torch.Tensor] | None = None,
+    written: set[str] | None = None,
+) -> tuple[RankPlan, Resolution, BackendResult]:
+    """``rank.resolve``, ``rank.plan`` and the backend's phases (into ``into`` when
+    given), with the fallback checks; what load_rank and reload_rank share."""
     check_tp_size(tp_size)
     check_rank(rank, tp_size)
     check_model_role(model_role)
@@ -111,7 +238,7 @@ def load_rank(
         attrs.update({"bytes": plan.nbytes, "tensors": len(plan.shards)})
 
     backend = BACKENDS[resolution.selected](env, checkpoint=checkpoint, options=reader_options)
-    result = backend.load(plan, resolution.device, timer)
+    result = backend.load(plan, resolution.device, timer, into=into, written=written)
     if result.fallback_reason is not None:
         log_fallback(rank, resolution.selected, result.effective, result.fallback_reason)
         if strict:
@@ -119,18 +246,21 @@ def load_rank(
                 f"rank {rank}: {resolution.selected.value} ran as {result.effective.value}: "
                 f"{result.fallback_reason} (strict mode forbids falling back)"
             )
-    tensors = result.tensors
+    return plan, resolution, result
 
-    with timer.phase(POST_LOAD, device=resolution.device):
-        if post_load is not None:
-            post_load(tensors)
-            if torch.device(resolution.device).type == "cuda":
-                torch.cuda.synchronize(resolution.device)
 
+def _report(
+    plan: RankPlan,
+    resolution: Resolution,
+    result: BackendResult,
+    start_ns: int,
+    timer: PhaseTimer,
+    model_role: str,
+) -> RankReport:
     reasons = [r for r in (resolution.fallback_reason, result.fallback_reason) if r]
-    report = RankReport(
-        rank=rank,
-        tp_size=tp_size,
+    return RankReport(
+        rank=plan.rank,
+        tp_size=plan.tp_size,
         device=resolution.device,
         method=MethodReport(
             requested=resolution.requested,
@@ -139,14 +269,13 @@ def load_rank(
             fallback_reason="; ".join(reasons) or None,
         ),
         bytes_read=result.bytes_read,
-        tensors=len(tensors),
+        tensors=len(result.tensors),
         start_ns=start_ns,
         end_ns=timer.clock(),
         files=plan.files,
         phases=tuple(timer.records),
         model_role=model_role,
     )
-    return tensors, report
 
 
 def _verify_rank_files(checkpoint: Checkpoint, rank: int) -> int:

@@ -7,6 +7,13 @@ Span tree::
     ├── rayload.connect           driver: ray.init (start a local Ray or join a cluster)
     ├── rayload.placement         driver: placement group created and ready
     ├── rayload.spawn             driver, one per rank: actor process launch to ready
+    │   ├── rayload.spawn.worker_wait    spawn call until the worker process started
+    │   ├── rayload.spawn.process_start  worker process start until rayload's first import
+    │   ├── rayload.spawn.imports        the actor module's imports, one child per package
+    │   │   └── rayload.spawn.import.<package>   torch, opentelemetry, rayload
+    │   └── rayload.spawn.actor_init     Ray building the actor and its __init__
+    │       └── rayload.spawn.cuda_context   CUDA context created (GPU ranks only)
+    ├── rayload.clock_sync        driver, one per rank: the clock-offset round trips
     ├── rank.load                 rank process, one per rank
     │   ├── rank.process_group    joining the load's torch.distributed group (when asked)
     │   ├── rank.resolve          ... one child per timed phase (loading.report.PHASES)
@@ -43,6 +50,16 @@ PREPARE_SPAN = "rayload.prepare"
 CONNECT_SPAN = "rayload.connect"
 PLACEMENT_SPAN = "rayload.placement"
 SPAWN_SPAN = "rayload.spawn"
+SPAWN_WORKER_WAIT_SPAN = "rayload.spawn.worker_wait"
+SPAWN_PROCESS_START_SPAN = "rayload.spawn.process_start"
+SPAWN_IMPORTS_SPAN = "rayload.spawn.imports"
+SPAWN_IMPORT_PREFIX = "rayload.spawn.import."
+SPAWN_ACTOR_INIT_SPAN = "rayload.spawn.actor_init"
+SPAWN_CUDA_CONTEXT_SPAN = "rayload.spawn.cuda_context"
+CLOCK_SYNC_SPAN = "rayload.clock_sync"
+RELOAD_ROOT_SPAN = "rayload.reload"
+ROOT_SPANS = (ROOT_SPAN, RELOAD_ROOT_SPAN)
+"""A trace's root: ``rayload.load``, or ``rayload.reload`` for ``LoadResult.reload``."""
 RANK_SPAN = "rank.load"
 RANK_PHASES: tuple[str, ...] = PHASES
 PROCESS_GROUP_SPAN = "rank.process_group"

@@ -52,9 +52,11 @@ class StartupTrace:
         service_name: str = schema.DRIVER_SERVICE,
         clock: Callable[[], int] = time.time_ns,
         start_ns: int | None = None,
+        root_name: str = schema.ROOT_SPAN,
     ) -> None:
         """``start_ns`` backdates the root span to when the load really began (before the
-        driver parsed config and headers and started Ray); default: now."""
+        driver parsed config and headers and started Ray); default: now. ``root_name`` is
+        ``rayload.load``, or ``rayload.reload`` for ``LoadResult.reload``'s own trace."""
         self._clock = clock
         self._tp_size = tp_size
         self._model_role = model_role
@@ -71,7 +73,7 @@ class StartupTrace:
         self._tracer = self._provider.get_tracer(schema.SCOPE_NAME)
         # An empty Context: the startup trace is its own trace, whatever span is current.
         self._root = self._tracer.start_span(
-            schema.ROOT_SPAN,
+            root_name,
             context=Context(),
             start_time=clock() if start_ns is None else start_ns,
             attributes=schema.rayload_attributes({"tp_size": tp_size, "model_role": model_role}),
@@ -97,17 +99,20 @@ class StartupTrace:
         end_ns: int,
         attributes: Mapping[str, Any] | None = None,
         error: str | None = None,
-    ) -> None:
-        """Record a driver span (``rayload.placement``, ``rayload.spawn``) under the root.
+        *,
+        parent: trace_api.Span | None = None,
+    ) -> trace_api.Span:
+        """Record a driver span (``rayload.placement``, ``rayload.spawn``) under the root,
+        or under ``parent``, a span this method returned (the children of a spawn).
 
         Times are the driver's wall clock in nanoseconds; attribute keys get the
-        ``rayload.`` prefix where missing.
+        ``rayload.`` prefix where missing. Returns the (ended) span.
         """
         self._check_open()
-        record_span(
+        return record_span(
             self._tracer,
             name,
-            parent=self._root_context,
+            parent=self._root_context if parent is None else trace_api.set_span_in_context(parent),
             start_ns=start_ns,
             end_ns=end_ns,
             attributes=attributes,

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import ClassVar, TypeVar
 
 import torch
@@ -26,7 +26,8 @@ from rayload.loading.methods import LoadMethod
 from rayload.loading.plan import RankPlan
 from rayload.loading.probe import EnvProbe
 from rayload.loading.reader import ReaderOptions
-from rayload.loading.report import SYNC, PhaseTimer
+from rayload.loading.reader.reads import byte_view
+from rayload.loading.report import SYNC, TO_DEVICE, PhaseTimer
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,9 @@ class BackendResult:
     bytes_read: int
     effective: LoadMethod
     fallback_reason: str | None = None
+    copied_into: bool = False
+    """Loading into existing tensors (``Backend.load(into=...)``): True when the backend
+    loaded fresh tensors and copied them in, False when it read straight into them."""
 
 
 class Backend(ABC):
@@ -66,24 +70,88 @@ class Backend(ABC):
         self.checkpoint = checkpoint
         self.options = options or ReaderOptions()
 
-    def load(self, plan: RankPlan, device: torch.device | str, timer: PhaseTimer) -> BackendResult:
+    def load(
+        self,
+        plan: RankPlan,
+        device: torch.device | str,
+        timer: PhaseTimer,
+        *,
+        into: Mapping[str, torch.Tensor] | None = None,
+        written: set[str] | None = None,
+    ) -> BackendResult:
         """Load every shard of ``plan`` onto ``device``; phases go to ``timer``.
 
         Postcondition (checked): exactly the plan's tensors, each with its shard shape and
         dtype, on ``device``, and the device synchronized inside a ``rank.sync`` phase.
+
+        With ``into`` (a rank's resident tensors by name: every shard's, with its shape,
+        on ``device``), the shards are loaded into those tensors, which the result holds:
+        read straight into them (:meth:`_load_into`) when each is contiguous with the
+        shard's dtype, else loaded fresh and copied in (``copied_into``; ``copy_``
+        converts a dtype). ``written`` collects the names of the tensors the backend began
+        to write, so a caller whose load raised knows which ones may hold new bytes.
         """
         target = torch.device(device)
         if target.type == "cuda" and target.index is None:
             target = torch.device("cuda", 0)
-        result = self._load(plan, target, timer)
+        if into is None:
+            result = self._load(plan, target, timer)
+        else:
+            written = written if written is not None else set()
+            views = _byte_views(plan, into, target)
+            if views is None:
+                result = self._copy_into(plan, target, timer, into, written)
+            else:
+                result = self._load_into(plan, target, timer, views, written)
+                result = replace(result, tensors={s.name: into[s.name] for s in plan.shards})
         with timer.phase(SYNC, device=str(target)):
             synchronize(target)
-        _check_result(plan, result, target)
+        _check_result(plan, result, target, converted=into is not None)
         return result
 
     @abstractmethod
     def _load(self, plan: RankPlan, device: torch.device, timer: PhaseTimer) -> BackendResult:
         """Read ``plan`` onto ``device``, timing ``rank.read`` and ``rank.to_device``."""
+
+    def _load_into(
+        self,
+        plan: RankPlan,
+        device: torch.device,
+        timer: PhaseTimer,
+        views: Sequence[torch.Tensor],
+        written: set[str],
+    ) -> BackendResult:
+        """Read ``plan`` into ``views`` (shard ``i``'s destination bytes, a 1-D uint8 view of
+        the resident tensor), adding each tensor to ``written`` as its writing begins.
+        Default: load fresh tensors and copy them in; backends whose reader can fill
+        given memory override it."""
+        into = {s.name: views[i] for i, s in enumerate(plan.shards)}
+        return self._copy_into(plan, device, timer, into, written, as_bytes=True)
+
+    def _copy_into(
+        self,
+        plan: RankPlan,
+        device: torch.device,
+        timer: PhaseTimer,
+        into: Mapping[str, torch.Tensor],
+        written: set[str],
+        *,
+        as_bytes: bool = False,
+    ) -> BackendResult:
+        """Load fresh tensors, then copy each into its destination (inside a second
+        ``rank.to_device``, ``copied_into_resident=True``): a second copy of the shards
+        while it runs, which the result says (``copied_into``)."""
+        result = self._load(plan, device, timer)
+        with timer.phase(TO_DEVICE, device=str(device), copied_into_resident=True):
+            for shard in plan.shards:
+                source = result.tensors[shard.name]
+                if as_bytes:
+                    source = source.reshape(-1).view(torch.uint8)
+                written.add(shard.name)
+                into[shard.name].copy_(source)
+            synchronize(device)
+        tensors = {s.name: into[s.name] for s in plan.shards}
+        return replace(result, tensors=tensors, copied_into=True)
 
 
 def synchronize(device: torch.device) -> None:
@@ -114,7 +182,44 @@ def register(method: LoadMethod) -> Callable[[_B], _B]:
     return decorator
 
 
-def _check_result(plan: RankPlan, result: BackendResult, device: torch.device) -> None:
+def _byte_views(
+    plan: RankPlan, into: Mapping[str, torch.Tensor], device: torch.device
+) -> list[torch.Tensor] | None:
+    """Each shard's destination as bytes to read into, in plan order; None when one cannot
+    take the shard's raw bytes (another dtype, not contiguous). A missing tensor, or one of
+    another shape or device, or a resident tensor the plan lacks, is a CheckpointError naming
+    it: nothing was written yet."""
+    if extra := into.keys() - {s.name for s in plan.shards}:
+        name = min(extra)
+        raise CheckpointError(
+            f"rank {plan.rank}: the checkpoint gives this rank no tensor {name!r}, which it "
+            f"holds resident ({len(extra)} such tensor(s))",
+            tensor=name,
+        )
+    views = []
+    for shard in plan.shards:
+        tensor = into.get(shard.name)
+        if tensor is None:
+            raise CheckpointError(
+                f"rank {plan.rank}: no resident tensor {shard.name!r} to load into",
+                tensor=shard.name,
+            )
+        if tuple(tensor.shape) != shard.shape or tensor.device != device:
+            raise CheckpointError(
+                f"rank {plan.rank}: tensor {shard.name!r} is {tuple(shard.shape)} in the "
+                f"checkpoint but the resident one is {tuple(tensor.shape)} on {tensor.device}",
+                tensor=shard.name,
+            )
+        view = byte_view(tensor) if tensor.dtype == torch_dtype(shard.dtype) else None
+        if view is None:
+            return None
+        views.append(view)
+    return views
+
+
+def _check_result(
+    plan: RankPlan, result: BackendResult, device: torch.device, *, converted: bool = False
+) -> None:
     expected = {s.name for s in plan.shards}
     if missing := expected - result.tensors.keys():
         raise CheckpointError(
@@ -124,7 +229,8 @@ def _check_result(plan: RankPlan, result: BackendResult, device: torch.device) -
         )
     for shard in plan.shards:
         tensor = result.tensors[shard.name]
-        want = (shard.shape, torch_dtype(shard.dtype), device)
+        dtype = tensor.dtype if converted else torch_dtype(shard.dtype)
+        want = (shard.shape, dtype, device)
         got = (tuple(tensor.shape), tensor.dtype, tensor.device)
         if got != want:
             raise CheckpointError(

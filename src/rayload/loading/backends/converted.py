@@ -11,6 +11,7 @@ read twice. A size or checksum mismatch is a CheckpointError naming the file.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -36,6 +37,32 @@ class ConvertedBackend(Backend):
     ``bytes_read`` is the size of the rank's files."""
 
     def _load(self, plan: RankPlan, device: torch.device, timer: PhaseTimer) -> BackendResult:
+        return self._read(plan, device, timer, (), None)
+
+    def _load_into(
+        self,
+        plan: RankPlan,
+        device: torch.device,
+        timer: PhaseTimer,
+        views: Sequence[torch.Tensor],
+        written: set[str],
+    ) -> BackendResult:
+        """Straight into the resident tensors; only the files' headers (and any padding,
+        read for the checksum) go to small new buffers."""
+        touched: set[int] = set()
+        try:
+            return self._read(plan, device, timer, views, touched)
+        finally:
+            written.update(plan.shards[i].name for i in touched if i < len(plan.shards))
+
+    def _read(
+        self,
+        plan: RankPlan,
+        device: torch.device,
+        timer: PhaseTimer,
+        targets: Sequence[torch.Tensor],
+        touched: set[int] | None,
+    ) -> BackendResult:
         entries = self._file_entries(plan)
         shards = plan.shards
         segments = shard_segments(shards)
@@ -53,7 +80,13 @@ class ConvertedBackend(Backend):
 
         with timer.phase(READ, bytes=sum(e.size for e in entries.values())) as attrs:
             buffers, sink, bytes_read = read_segments(
-                segments, sizes, device, self.options, on_read=checksum
+                segments,
+                sizes,
+                device,
+                self.options,
+                on_read=checksum,
+                targets=targets,
+                touched=touched,
             )
             attrs["bytes_read"] = bytes_read
             for file, entry in entries.items():

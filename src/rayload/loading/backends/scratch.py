@@ -8,6 +8,8 @@ of their destination, so peak host memory on CPU is the shard size plus nothing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from rayload.loading.backends.base import Backend, BackendResult, register
@@ -20,13 +22,44 @@ from rayload.loading.report import READ, TO_DEVICE, PhaseTimer
 
 @register(LoadMethod.SCRATCH)
 class ScratchBackend(Backend):
-    """Reads exactly the plan's byte ranges; ``bytes_read`` equals ``plan.nbytes``."""
+    """Reads exactly the plan's byte ranges; ``bytes_read`` equals ``plan.nbytes``.
+    Into resident tensors it reads straight into their memory (no allocation on CPU; on
+    CUDA only the pinned staging ring)."""
 
     def _load(self, plan: RankPlan, device: torch.device, timer: PhaseTimer) -> BackendResult:
+        return self._read(plan, device, timer, (), None)
+
+    def _load_into(
+        self,
+        plan: RankPlan,
+        device: torch.device,
+        timer: PhaseTimer,
+        views: Sequence[torch.Tensor],
+        written: set[str],
+    ) -> BackendResult:
+        touched: set[int] = set()
+        try:
+            return self._read(plan, device, timer, views, touched)
+        finally:
+            written.update(plan.shards[i].name for i in touched)
+
+    def _read(
+        self,
+        plan: RankPlan,
+        device: torch.device,
+        timer: PhaseTimer,
+        targets: Sequence[torch.Tensor],
+        touched: set[int] | None,
+    ) -> BackendResult:
         shards = plan.shards
         with timer.phase(READ, bytes=plan.nbytes) as attrs:
             buffers, sink, bytes_read = read_segments(
-                shard_segments(shards), [s.nbytes for s in shards], device, self.options
+                shard_segments(shards),
+                [s.nbytes for s in shards],
+                device,
+                self.options,
+                targets=targets,
+                touched=touched,
             )
             attrs["bytes_read"] = bytes_read
         with timer.phase(TO_DEVICE, device=str(device)):

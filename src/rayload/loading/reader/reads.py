@@ -203,20 +203,42 @@ def read_segments(
     options: ReaderOptions,
     *,
     on_read: ReadHook | None = None,
+    targets: Sequence[torch.Tensor] = (),
+    touched: set[int] | None = None,
 ) -> tuple[list[torch.Tensor], Sink, int]:
-    """Allocate one byte buffer of ``sizes[i]`` per destination on ``device`` and read
-    ``segments`` into them. Returns the buffers, the sink (call ``finish()`` before using
-    device buffers) and the bytes read."""
+    """Read ``segments`` into one byte buffer of ``sizes[i]`` per destination on
+    ``device``. The first destinations are ``targets`` when given: existing byte buffers
+    (:func:`byte_view` of resident tensors), filled in place; the others are allocated.
+    ``touched`` collects the indices of the destinations the reader began writing.
+    Returns the buffers, the sink (call ``finish()`` before using device buffers) and the
+    bytes read."""
     settings = options.for_device(device)
+    for i, target in enumerate(targets):
+        if target.dtype != torch.uint8 or target.dim() != 1 or target.numel() != sizes[i]:
+            raise ValueError(
+                f"destination {i} is {target.dtype} {tuple(target.shape)}, expected "
+                f"{sizes[i]} bytes as a 1-D uint8 view"
+            )
+    buffers = [
+        *targets,
+        *(torch.empty(n, dtype=torch.uint8, device=device) for n in sizes[len(targets) :]),
+    ]
     if device.type == "cuda":
-        buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
-        sink: Sink = StagedDeviceSink(buffers, settings)
+        sink: Sink = StagedDeviceSink(buffers, settings, touched)
     else:
-        buffers = [torch.empty(n, dtype=torch.uint8) for n in sizes]
-        sink = HostSink([host_view(b) for b in buffers])
+        sink = HostSink([host_view(b) for b in buffers], touched)
     chunk = settings.chunk_bytes
     batches = batch_reads(plan_reads(segments, chunk), chunk)
     return buffers, sink, run_reads(batches, sink, settings, on_read=on_read)
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The bytes of ``tensor`` as a 1-D uint8 view of its own memory (no copy), None when
+    it has none (not contiguous): what lets a reader write straight into a resident
+    tensor."""
+    if not tensor.is_contiguous():
+        return None
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def shard_tensors(

@@ -39,13 +39,19 @@ def host_view(tensor: torch.Tensor) -> memoryview:
 
 
 class HostSink:
-    """Reads straight into host destination buffers, one view per segment."""
+    """Reads straight into host destination buffers, one view per segment.
 
-    def __init__(self, targets: Sequence[memoryview]) -> None:
+    ``touched``, when given, collects the destinations a read has been handed (the
+    bytes of those may have changed, even when the read then fails)."""
+
+    def __init__(self, targets: Sequence[memoryview], touched: set[int] | None = None) -> None:
         self.targets = targets
+        self.touched = touched
 
     def acquire(self, batch: Batch) -> Views:
         targets = self.targets
+        if self.touched is not None:
+            self.touched.update(s.target for r in batch.reads for s in r.segments)
         return [
             [targets[s.target][s.target_offset : s.target_offset + s.length] for s in r.segments]
             for r in batch.reads
@@ -65,10 +71,17 @@ class StagedDeviceSink:
 
     Staging buffers are allocated when first needed, up to ``settings.window``: the first
     read starts after one allocation instead of all of them (page-locking new memory is
-    slow), and a load of few batches pins few buffers."""
+    slow), and a load of few batches pins few buffers. ``touched``, when given, collects
+    the destinations a copy has been queued into."""
 
-    def __init__(self, targets: Sequence[torch.Tensor], settings: ReadSettings) -> None:
+    def __init__(
+        self,
+        targets: Sequence[torch.Tensor],
+        settings: ReadSettings,
+        touched: set[int] | None = None,
+    ) -> None:
         self.targets = targets
+        self.touched = touched
         self.device = targets[0].device if targets else torch.device("cuda", 0)
         self.stream = torch.cuda.Stream(self.device)
         self._chunk_bytes = settings.chunk_bytes
@@ -97,6 +110,8 @@ class StagedDeviceSink:
         buffer = self._busy.popleft()
         with torch.cuda.stream(self.stream):
             for target, dst, src, length in _copy_runs(batch):
+                if self.touched is not None:
+                    self.touched.add(target)
                 self.targets[target][dst : dst + length].copy_(
                     buffer[src : src + length], non_blocking=True
                 )

@@ -23,6 +23,7 @@ from rayload.tracing.exporters.timeline import Process, group_processes
 # the enclosing spans.
 COLORS: dict[str, str] = {
     schema.ROOT_SPAN: "#9aa5b1",
+    schema.RELOAD_ROOT_SPAN: "#9aa5b1",
     schema.PREPARE_SPAN: "#b8a9c9",
     schema.CONNECT_SPAN: "#8fb9a8",
     schema.PLACEMENT_SPAN: "#f0e442",

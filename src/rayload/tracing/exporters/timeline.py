@@ -50,15 +50,16 @@ class Process:
     def attribute(self, key: str) -> object:
         """``key`` from this process's ``rank.load`` (or root) span, None if absent."""
         for placed in self.spans:
-            if placed.span.name in (schema.RANK_SPAN, schema.ROOT_SPAN):
+            if placed.span.name in (schema.RANK_SPAN, *schema.ROOT_SPANS):
                 return (placed.span.attributes or {}).get(key)
         return None
 
     @property
     def main_span(self) -> ReadableSpan | None:
-        """The ``rank.load`` of a rank, the ``rayload.load`` root of the driver."""
-        name = schema.ROOT_SPAN if self.rank is None else schema.RANK_SPAN
-        return next((p.span for p in self.spans if p.span.name == name), None)
+        """The ``rank.load`` of a rank, the root (``rayload.load``, ``rayload.reload``) of
+        the driver."""
+        names = schema.ROOT_SPANS if self.rank is None else (schema.RANK_SPAN,)
+        return next((p.span for p in self.spans if p.span.name in names), None)
 
 
 def group_processes(spans: Sequence[ReadableSpan]) -> list[Process]:
