@@ -34,7 +34,7 @@ from rayload.loading import write_checkpoint
 from rayload.models import build_model
 
 if TYPE_CHECKING:
-    from rayload.actors.messages import RankState
+    from rayload.api import RankState
 
 
 def next_token_top5(state: RankState, token_ids: list[int]) -> list[int]:

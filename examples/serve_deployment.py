@@ -43,7 +43,7 @@ from rayload.models import build_model
 from rayload.placement import rank_bundles
 
 if TYPE_CHECKING:
-    from rayload.actors.messages import RankState
+    from rayload.api import RankState
 
 CPUS_PER_BUNDLE = 0.01  # the replica and the ranks mostly wait on I/O
 
