@@ -380,11 +380,29 @@ class RankActor:
         return PhaseTimer(clock=self.clock)
 
     def _process_start_ns(self) -> int | None:
-        try:
-            import psutil
-        except ImportError:
-            return None
-        return int(psutil.Process().create_time() * 1e9) + self._skew_ns
+        start = process_start_ns()
+        return None if start is None else start + self._skew_ns
+
+
+def process_start_ns() -> int | None:
+    """When this process was created, on the wall clock, in ns (None where unknown).
+
+    On Linux from ``/proc/self/stat`` (its start in clock ticks since boot, 10 ms) against
+    ``CLOCK_BOOTTIME`` now: psutil's ``create_time`` adds the boot time, which the kernel
+    gives in whole seconds, so it can be off by up to a second. Elsewhere psutil's."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # field 22, starttime; fields[0] is field 3
+        since_boot_s = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time_ns() - int(since_boot_s * 1e9)
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.Process().create_time() * 1e9)
 
 
 def _cuda_device_count() -> int:
