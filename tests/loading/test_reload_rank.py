@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rayload.errors import CheckpointError
-from rayload.loading import load_rank, plan_shards, write_checkpoint
+from rayload.loading import convert_checkpoint, load_rank, plan_shards, write_checkpoint
 from rayload.loading.backends import BACKENDS
 from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.methods import LoadMethod
@@ -86,3 +86,19 @@ def test_scratch_read_that_fails_midway_says_what_it_had_written(
     in_last = {s.name for s in plan.shards if s.ranges and s.ranges[0].file == last_file}
     assert written and written & in_last
     assert written <= {s.name for s in plan.shards}
+
+
+def test_reload_rank_of_a_converted_checkpoint_reads_straight_in(
+    checkpoints: tuple[Path, Path], tmp_path: Path
+) -> None:
+    a, b = checkpoints
+    convert_checkpoint(a, tmp_path / "a", 2)
+    convert_checkpoint(b, tmp_path / "b", 2)
+    tensors, _ = load_rank(tmp_path / "a", 0, 2, "converted")
+    pointers = {name: t.data_ptr() for name, t in tensors.items()}
+    report = reload_rank(tmp_path / "b", 0, 2, tensors, "converted")
+    assert {name: t.data_ptr() for name, t in tensors.items()} == pointers
+    assert not any(p.attributes.get("copied_into_resident") for p in report.phases)
+    expected, _ = load_rank(b, 0, 2)
+    for name, tensor in expected.items():
+        assert torch.equal(tensors[name], tensor), name
