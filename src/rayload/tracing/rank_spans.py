@@ -147,7 +147,7 @@ def _rank_provider(rank: int, host_name: str | None) -> tuple[TracerProvider, In
 
 
 def report_attributes(report: RankReport) -> dict[str, Any]:
-    """The ``rank.load`` attributes DESIGN.md fixes, taken from a :class:`RankReport`.
+    """The ``rank.load`` attributes docs/design.md "Spans" fixes, taken from a :class:`RankReport`.
 
     Pass the result as ``attributes`` of :func:`rank_spans_payload`. ``fallback_reason``
     and ``node_id`` are None when not applicable and are then left off the span.
