@@ -198,12 +198,12 @@ class _HeadProbe:
             self.failures += 1
             if self.failures >= LOST_AFTER:
                 _lost.add(self.address)
-                raise lost_error(self.address, self.phase, exc.strerror or str(exc)) from exc
+                raise _lost_error(self.address, self.phase, exc.strerror or str(exc)) from exc
             return
         self.failures = 0
 
 
-def lost_error(address: str, phase: str, reason: str) -> ClusterLostError:
+def _lost_error(address: str, phase: str, reason: str) -> ClusterLostError:
     """The error for a head that stopped answering while the driver was ``phase``."""
     logs = log_dir()
     where = f"; Ray's logs: {logs}" if logs else ""
