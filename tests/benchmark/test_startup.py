@@ -1,17 +1,30 @@
-"""Timing whole ``rayload.load`` calls on a real local Ray (in a child interpreter)."""
+"""Timing whole ``rayload.load`` calls, the start-up floor and reload, on a real local Ray
+(in a child interpreter). Figures are checked for shape and consistency, never for speed."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from rayload.benchmark import write_report
+from rayload.benchmark.render import start_up_table
+from rayload.benchmark.startfloor import SPAWN_PARTS, processes_at_once
 from rayload.benchmark.startup import PARTS, measure_startup
+from rayload.benchmark.summary import start_up_targets, targets, to_jsonable
+from rayload.tracing import schema
+
+
+@pytest.fixture(scope="module")
+def startup_result(bench_checkpoint: Path) -> dict[str, Any]:
+    """The quick mode: TP 2, one repetition of each measurement, floor included."""
+    return measure_startup(str(bench_checkpoint), 2, repeat=1)
 
 
 @pytest.mark.slow
-def test_measure_startup_splits_each_load_into_its_parts(bench_checkpoint: Path) -> None:
-    result = measure_startup(str(bench_checkpoint), 2, repeat=1)
+def test_measure_startup_splits_each_load_into_its_parts(startup_result: dict[str, Any]) -> None:
+    result = startup_result
     assert result["ray_start_s"] > 0
     runs = result["runs"]
     assert [r["trace_files"] for r in runs] == [False, True]
@@ -34,3 +47,71 @@ def test_measure_startup_splits_each_load_into_its_parts(bench_checkpoint: Path)
     assert result["trace_overhead_pct"] == pytest.approx(
         100 * (on["wall_s"] - off["wall_s"]) / off["wall_s"]
     )
+
+
+@pytest.mark.slow
+def test_measure_startup_adds_the_floor_and_reload_on_the_same_ray(
+    startup_result: dict[str, Any],
+) -> None:
+    su = startup_result["start_up"]
+    assert su["tp_size"] == 2
+    (run,) = su["runs"]
+    assert not su["bare_actor_imported_torch"]
+    assert run["floor_s"] == pytest.approx(
+        run["bare_actors_s"] + run["bare_imports_s"] - run["bare_interpreters_s"]
+    )
+    assert all(run[k] > 0 for k in ("bare_imports_s", "bare_actors_s", "reload_wall_s"))
+    assert run["reload_population_s"] <= run["reload_wall_s"]
+    assert run["fresh_population_s"] <= run["fresh_wall_s"]
+    assert run["spawn_s"] <= run["fresh_wall_s"]
+    assert su["rayload_spawns"] == len(startup_result["runs"]) + 2
+    parts = su["spawn_parts"]
+    assert set(parts) == {schema.SPAWN_SPAN, *SPAWN_PARTS}
+    assert sum(parts[k] for k in SPAWN_PARTS) <= parts[schema.SPAWN_SPAN] * 1.001
+
+
+@pytest.mark.slow
+def test_start_up_table_and_targets_render_in_the_report(
+    startup_result: dict[str, Any], bench_result: dict[str, Any], tmp_path: Path
+) -> None:
+    items = start_up_targets(startup_result["start_up"])
+    assert [t.threshold for t in items] == [
+        "<= 1.2x floor",
+        "documented, no target",
+        "<= 1.2x fresh weight population",
+        ">= 3x faster",
+    ]
+    assert all(t.met is None for t in items[1:2])
+    result = {**bench_result, "load_breakdown": startup_result}
+    result["targets"] += to_jsonable(items)
+    md = write_report(result, tmp_path)["md"].read_text()
+    assert "## Start-up" in md
+    assert start_up_table(startup_result["start_up"]) in md
+    for t in items:
+        assert f"| {t.name} | {t.threshold} | {t.measured} |" in md
+
+
+def test_start_up_targets_read_the_measured_medians() -> None:
+    medians = {
+        "bare_imports_s": 3.0,
+        "bare_actors_s": 1.0,
+        "floor_s": 4.0,
+        "fresh_population_s": 0.5,
+        "reload_wall_s": 0.5,
+        "close_and_fresh_s": 6.0,
+    }
+    start_up = {"tp_size": 4, "medians": medians, "rayload_spawn_s": 6.0, "rayload_spawns": 3}
+    spawn, lower, reload, fresh = start_up_targets(start_up)
+    assert (spawn.measured, spawn.met) == ("1.50x", False)
+    assert (lower.measured, lower.met) == ("2.00x", None)
+    assert (reload.measured, reload.met) == ("1.00x", True)
+    assert (fresh.measured, fresh.met) == ("12.0x faster", True)
+    assert targets([], tp=4, load_breakdown=None)[-1].name.startswith("tracing")
+
+
+def test_start_up_targets_are_absent_when_not_measured() -> None:
+    assert start_up_targets(None) == []
+
+
+def test_processes_at_once_times_until_the_last_one_ran_its_code() -> None:
+    assert processes_at_once(2, "import json") > 0

@@ -133,6 +133,8 @@ def markdown(
     lines += ["## Targets", "", targets_table(items), ""]
     if result.get("load_breakdown"):
         lines += ["## `rayload.load` wall time", "", _breakdown(result["load_breakdown"]), ""]
+        if result["load_breakdown"].get("start_up"):
+            lines += ["## Start-up", "", start_up_table(result["load_breakdown"]["start_up"]), ""]
     if chart:
         lines += [f"![wall time per case]({chart})", ""]
     return "\n".join(lines)
@@ -250,6 +252,65 @@ def _tracing(t: dict[str, Any]) -> str:
         f"{t['pct_of_load']:.2f}% of the whole `rayload.load`, "
         f"{t['pct_of_model_loading']:.1f}% of the ranks' model loading.\n\n{table}"
     )
+
+
+_SPAWN_PART_LABELS = {
+    "rayload.spawn.worker_wait": "worker_wait",
+    "rayload.spawn.process_start": "process_start",
+    "rayload.spawn.imports": "imports",
+    "rayload.spawn.actor_init": "actor_init",
+}
+
+
+def start_up_table(su: dict[str, Any]) -> str:
+    """The start-up floor beside rayload's spawn, and reload beside fresh loads
+    (:mod:`rayload.benchmark.startfloor`)."""
+    tp, runs, m = su["tp_size"], su["runs"], su["medians"]
+
+    def row(label: str, key: str) -> list[str]:
+        values = [r[key] for r in runs]
+        return [label, f"{m[key]:.3f}", f"{min(values):.3f}-{max(values):.3f}"]
+
+    lo, hi = su["rayload_spawn_range"]
+    rows = [
+        [f"start-up figure (tp={tp}, median of {len(runs)} repetitions)", "s", "min-max"],
+        ["---"] * 3,
+        row(f"{tp} bare interpreters at once (`python -c pass`)", "bare_interpreters_s"),
+        row(f"{tp} bare processes at once: `import torch, rayload`", "bare_imports_s"),
+        row(f"{tp} bare Ray actors at once (empty `__init__`), until ready", "bare_actors_s"),
+        row("**floor**: bare actors + bare imports - bare interpreters", "floor_s"),
+        [
+            f"**rayload spawn** (slowest rank's `rayload.spawn`, {su['rayload_spawns']} loads)",
+            f"{su['rayload_spawn_s']:.3f}",
+            f"{lo:.3f}-{hi:.3f}",
+        ],
+    ]
+    parts = su.get("spawn_parts", {})
+    for key, label in _SPAWN_PART_LABELS.items():
+        if key in parts:
+            rows.append(
+                [
+                    f"  of which `{label}` (first fresh load of each repetition)",
+                    f"{parts[key]:.3f}",
+                    "",
+                ]
+            )
+    rows += [
+        row("fresh `rayload.load` (wall)", "fresh_wall_s"),
+        row("fresh load: weight population (slowest rank)", "fresh_population_s"),
+        row("**`result.reload()`** of the same checkpoint (wall)", "reload_wall_s"),
+        row("reload: weight population (slowest rank)", "reload_population_s"),
+        row("**close + fresh `rayload.load`** (wall)", "close_and_fresh_s"),
+    ]
+    lines = [
+        f"Method {su['method']}, warm page cache, on the Ray of the loads above; each "
+        "repetition runs the bare figures, then a fresh load, its reload, then close and a "
+        "fresh load again."
+    ]
+    if su.get("bare_actor_imported_torch"):
+        lines.append("**Warning:** a bare actor had torch imported: its time is not bare.")
+    lines.append("\n".join("| " + " | ".join(r) + " |" for r in rows))
+    return "\n\n".join(lines)
 
 
 def chart(summaries: Sequence[CaseSummary], caches: Sequence[str], path: Path) -> bool:

@@ -14,7 +14,9 @@ by step
 (:mod:`rayload.benchmark.tracecost`): ``tracing`` in the result holds its median
 critical path and that as a percentage of each load's whole wall time and of its model
 loading time. The page cache is warm for every load: the cold-cache read is what the
-rank cases measure.
+rank cases measure. Then, on the same Ray, :mod:`rayload.benchmark.startfloor` measures
+the start-up floor of the machine beside rayload's spawn, and ``reload()`` beside fresh
+loads (``start_up`` in the result).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from rayload.benchmark.startfloor import measure_floor
 from rayload.benchmark.tracecost import cost_fractions, tracing_cost
 from rayload.errors import LoadFailedError
 from rayload.tracing import metrics
@@ -49,9 +52,12 @@ def measure_startup(
     repeat: int,
     method: str = "scratch",
     device: str = "cpu",
+    floor: bool = True,
     timeout_s: float = 1800.0,
 ) -> dict[str, Any]:
-    """Run the measurement in a child interpreter and return its JSON result."""
+    """Run the measurement in a child interpreter and return its JSON result. ``floor``:
+    then, on the same Ray, the start-up floor and reload against fresh loads
+    (:mod:`rayload.benchmark.startfloor`), under ``"start_up"``."""
     args = json.dumps(
         {
             "checkpoint": checkpoint,
@@ -59,6 +65,7 @@ def measure_startup(
             "repeat": repeat,
             "method": method,
             "device": device,
+            "floor": floor,
         }
     )
     done = subprocess.run(
@@ -124,10 +131,20 @@ def _main(args: dict[str, Any]) -> dict[str, Any]:
     ray.init(num_cpus=max(tp, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     ray_start = time.perf_counter() - start
     runs = []
+    start_up = None
     try:
         for rep in range(int(args["repeat"])):
             for trace in (False, True) if rep % 2 == 0 else (True, False):
                 runs.append(_one_load(ckpt, tp, args["method"], args["device"], trace))
+        if args.get("floor", False):
+            start_up = measure_floor(
+                ckpt,
+                tp,
+                repeat=int(args["repeat"]),
+                method=args["method"],
+                device=args["device"],
+                other_spawns=[r[metrics.ACTOR_STARTUP] for r in runs],
+            )
     finally:
         ray.shutdown()
     off = _medians([r for r in runs if not r["trace_files"]])
@@ -145,6 +162,7 @@ def _main(args: dict[str, Any]) -> dict[str, Any]:
             max(r["wall_s"] for r in runs if not r["trace_files"]),
         ],
         "runs": runs,
+        "start_up": start_up,
     }
 
 

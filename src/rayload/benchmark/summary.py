@@ -152,6 +152,9 @@ RSS_OVER_SHARD_MB = Bound(256, unit="shard + {} MB")
 MODEL_RSS_OVER_SHARD_MB = Bound(64, unit="shard + {} MB")
 READ_AMPLIFICATION = Bound(1.05)
 TRACING_SHARE_PCT = Bound(3, unit="{}%")
+SPAWN_VS_FLOOR = Bound(1.2, unit="{}x floor")
+RELOAD_VS_POPULATION = Bound(1.2, unit="{}x fresh weight population")
+RELOAD_VS_CLOSE_AND_LOAD = Bound(3, at_most=False, unit="{}x faster")
 
 MOE_CASES = ("scratch", "scratch_ep", "whole_experts")
 """The cases compared on a mixture-of-experts checkpoint: plain TP, expert parallel and
@@ -282,6 +285,7 @@ def targets(
             )
     out.extend(_expert_targets(by, tp, layouts))
     out.extend(_tracing_targets(load_breakdown))
+    out.extend(start_up_targets((load_breakdown or {}).get("start_up")))
     return out
 
 
@@ -377,6 +381,49 @@ def _tracing_targets(load_breakdown: Mapping[str, Any] | None) -> list[Target]:
         f"{tracing['pct_of_model_loading']:.1f}% of the ranks' model loading time",
     )
     return [timed, cross_check]
+
+
+def start_up_targets(start_up: Mapping[str, Any] | None) -> list[Target]:
+    """rayload's spawn against the floor (bare actors + bare imports - bare interpreters,
+    :mod:`rayload.benchmark.startfloor`), and ``reload()`` against a fresh load's weight
+    population and against close + fresh load; empty when not measured."""
+    if not start_up:
+        return []
+    m, spawn = start_up["medians"], start_up["rayload_spawn_s"]
+    lower = max(m["bare_imports_s"], m["bare_actors_s"])
+    reload, population = m["reload_wall_s"], m["fresh_population_s"]
+    tp = start_up["tp_size"]
+    return [
+        Target(
+            f"rayload spawn vs the floor (tp={tp})",
+            SPAWN_VS_FLOOR.label,
+            f"{spawn / m['floor_s']:.2f}x",
+            SPAWN_VS_FLOOR.met(spawn / m["floor_s"]),
+            f"{spawn:.2f} s (median of {start_up['rayload_spawns']} loads) against "
+            f"{m['floor_s']:.2f} s",
+        ),
+        Target(
+            "rayload spawn vs max(bare imports, bare actors) (cross-check)",
+            "documented, no target",
+            f"{spawn / lower:.2f}x",
+            None,
+            f"against {lower:.2f} s",
+        ),
+        Target(
+            "reload vs a fresh load's weight population",
+            RELOAD_VS_POPULATION.label,
+            f"{reload / population:.2f}x",
+            RELOAD_VS_POPULATION.met(reload / population),
+            f"reload() {reload:.3f} s, fresh weight population {population:.3f} s",
+        ),
+        Target(
+            "reload vs close + fresh load",
+            RELOAD_VS_CLOSE_AND_LOAD.label,
+            f"{m['close_and_fresh_s'] / reload:.1f}x faster",
+            RELOAD_VS_CLOSE_AND_LOAD.met(m["close_and_fresh_s"] / reload),
+            f"close + rayload.load {m['close_and_fresh_s']:.2f} s",
+        ),
+    ]
 
 
 def to_jsonable(items: Iterable[Any]) -> list[Mapping[str, Any]]:
