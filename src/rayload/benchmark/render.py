@@ -286,11 +286,19 @@ def start_up_table(su: dict[str, Any]) -> str:
         ],
     ]
     parts = su.get("spawn_parts", {})
+    if "rayload.spawn" in parts:
+        rows.append(
+            [
+                "rayload spawn, first fresh load of each repetition",
+                f"{parts['rayload.spawn']:.3f}",
+                "",
+            ]
+        )
     for key, label in _SPAWN_PART_LABELS.items():
         if key in parts:
             rows.append(
                 [
-                    f"  of which `{label}` (first fresh load of each repetition)",
+                    f"of which `{label}`",
                     f"{parts[key]:.3f}",
                     "",
                 ]
