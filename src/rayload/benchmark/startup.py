@@ -128,7 +128,12 @@ def _main(args: dict[str, Any]) -> dict[str, Any]:
     tp, ckpt = int(args["tp_size"]), str(args["checkpoint"])
     probes.warm(open_checkpoint(ckpt).files)
     start = time.perf_counter()
-    ray.init(num_cpus=max(tp, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    ray.init(
+        address="local",  # its own Ray, even where another on this machine is recorded
+        num_cpus=max(tp, os.cpu_count() or 1),
+        include_dashboard=False,
+        log_to_driver=False,
+    )
     ray_start = time.perf_counter() - start
     runs = []
     start_up = None
