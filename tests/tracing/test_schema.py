@@ -16,6 +16,13 @@ DRIVER_SPANS = {
     schema.CONNECT_SPAN,
     schema.PLACEMENT_SPAN,
     schema.SPAWN_SPAN,
+    schema.SPAWN_WORKER_WAIT_SPAN,
+    schema.SPAWN_PROCESS_START_SPAN,
+    schema.SPAWN_IMPORTS_SPAN,
+    schema.SPAWN_ACTOR_INIT_SPAN,
+    schema.SPAWN_CUDA_CONTEXT_SPAN,
+    schema.CLOCK_SYNC_SPAN,
+    schema.RELOAD_ROOT_SPAN,
 }
 
 

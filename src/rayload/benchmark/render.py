@@ -12,7 +12,7 @@ from typing import Any
 from rayload.benchmark.cases import CASES
 from rayload.benchmark.layouts import TP
 from rayload.benchmark.summary import MB, MOE_CASES, CaseSummary, Target
-from rayload.tracing import metrics
+from rayload.tracing import metrics, schema
 
 log = logging.getLogger(__name__)
 
@@ -255,10 +255,10 @@ def _tracing(t: dict[str, Any]) -> str:
 
 
 _SPAWN_PART_LABELS = {
-    "rayload.spawn.worker_wait": "worker_wait",
-    "rayload.spawn.process_start": "process_start",
-    "rayload.spawn.imports": "imports",
-    "rayload.spawn.actor_init": "actor_init",
+    schema.SPAWN_WORKER_WAIT_SPAN: "worker_wait",
+    schema.SPAWN_PROCESS_START_SPAN: "process_start",
+    schema.SPAWN_IMPORTS_SPAN: "imports",
+    schema.SPAWN_ACTOR_INIT_SPAN: "actor_init",
 }
 
 
@@ -286,11 +286,11 @@ def start_up_table(su: dict[str, Any]) -> str:
         ],
     ]
     parts = su.get("spawn_parts", {})
-    if "rayload.spawn" in parts:
+    if schema.SPAWN_SPAN in parts:
         rows.append(
             [
                 "rayload spawn, first fresh load of each repetition",
-                f"{parts['rayload.spawn']:.3f}",
+                f"{parts[schema.SPAWN_SPAN]:.3f}",
                 "",
             ]
         )
