@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -175,6 +176,22 @@ def set_test_hooks(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
         monkeypatch.setenv("RAYLOAD_TEST_HOOKS", json.dumps(hooks))
 
     return set_hooks
+
+
+SERVE_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve_deployment.py"
+
+
+@pytest.fixture
+def serve_example(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """examples/serve_deployment.py, imported from its path for this test only."""
+    spec = importlib.util.spec_from_file_location("rayload_serve_example", SERVE_EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    # Workers cannot import a module loaded from a path: ship its code by value.
+    ray.cloudpickle.register_pickle_by_value(module)
+    return module
 
 
 @pytest.fixture

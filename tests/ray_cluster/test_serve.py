@@ -6,9 +6,7 @@ leaves no actor or placement group behind."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -17,28 +15,13 @@ from typing import Any
 
 import pytest
 import torch
-from ray import cloudpickle, serve
+from ray import serve
 from ray.util.state import list_actors
 
 from rayload.loading import write_checkpoint
 from support.transformers_models import reference_logits
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve_deployment.py"
-
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.slow]
-
-
-@pytest.fixture
-def example(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """examples/serve_deployment.py, imported from its path for this test only."""
-    spec = importlib.util.spec_from_file_location("rayload_serve_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    # Workers cannot import a module loaded from a path: ship its code by value.
-    cloudpickle.register_pickle_by_value(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -67,12 +50,12 @@ def _transformers_top5(checkpoint: Path, token_ids: list[int]) -> list[int]:
 
 
 def test_serve_replica_loads_into_its_placement_group_and_answers_top5(
-    example: ModuleType, f32_llama: Path, ray_cluster: Any, unused_port: int, no_leaks: object
+    serve_example: ModuleType, f32_llama: Path, ray_cluster: Any, unused_port: int, no_leaks: object
 ) -> None:
     url = f"http://127.0.0.1:{unused_port}/"
     serve.start(http_options={"host": "127.0.0.1", "port": unused_port})
     try:
-        app = example.build_app({"checkpoint": str(f32_llama), "tp": "2"})
+        app = serve_example.build_app({"checkpoint": str(f32_llama), "tp": "2"})
         serve.run(app, name="rayload-test", route_prefix="/")
         summary = _get(url)
         assert len(summary["trace_id"]) == 32 and summary["tp_size"] == 2

@@ -8,8 +8,6 @@ start a new replica that loads again; only the old actors and group must be gone
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -17,28 +15,14 @@ from typing import Any
 
 import pytest
 import ray
-from ray import cloudpickle, serve
+from ray import serve
 from ray.util.state import list_actors
 
 from rayload.loading import write_checkpoint
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "serve_deployment.py"
 CLEANUP_LIMIT_S = 30
 
 pytestmark = [pytest.mark.usefixtures("ray_cluster"), pytest.mark.slow]
-
-
-@pytest.fixture
-def example(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """examples/serve_deployment.py, imported from its path for this test only."""
-    spec = importlib.util.spec_from_file_location("rayload_serve_faults_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    # Workers cannot import a module loaded from a path: ship its code by value.
-    cloudpickle.register_pickle_by_value(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +50,16 @@ def _secs(seconds: float | None) -> str:
 
 
 def test_killed_serve_replica_leaves_no_rank_actor_and_no_placement_group(
-    example: ModuleType, checkpoint: Path, ray_cluster: Any, unused_port: int, no_leaks: object
+    serve_example: ModuleType,
+    checkpoint: Path,
+    ray_cluster: Any,
+    unused_port: int,
+    no_leaks: object,
 ) -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": unused_port})
     try:
         serve.run(
-            example.build_app({"checkpoint": str(checkpoint), "tp": "2"}),
+            serve_example.build_app({"checkpoint": str(checkpoint), "tp": "2"}),
             name="rayload-faults",
             route_prefix="/",
         )
