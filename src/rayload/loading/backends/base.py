@@ -168,6 +168,42 @@ BACKENDS: dict[LoadMethod, type[Backend]] = {}
 _B = TypeVar("_B", bound=type[Backend])
 
 
+class ReaderBackend(Backend):
+    """A backend whose reader fills given memory: it implements :meth:`_read` once, for
+    fresh destinations (``targets`` empty) and for the resident tensors of a reload."""
+
+    def _load(self, plan: RankPlan, device: torch.device, timer: PhaseTimer) -> BackendResult:
+        return self._read(plan, device, timer, (), None)
+
+    def _load_into(
+        self,
+        plan: RankPlan,
+        device: torch.device,
+        timer: PhaseTimer,
+        views: Sequence[torch.Tensor],
+        written: set[str],
+    ) -> BackendResult:
+        """Straight into the resident tensors; ``written`` gets every shard whose bytes the
+        reader began to write, even when the read fails."""
+        touched: set[int] = set()
+        try:
+            return self._read(plan, device, timer, views, touched)
+        finally:
+            written.update(plan.shards[i].name for i in touched if i < len(plan.shards))
+
+    @abstractmethod
+    def _read(
+        self,
+        plan: RankPlan,
+        device: torch.device,
+        timer: PhaseTimer,
+        targets: Sequence[torch.Tensor],
+        touched: set[int] | None,
+    ) -> BackendResult:
+        """Read ``plan`` into ``targets`` (new buffers when empty), adding to ``touched``
+        (when given) the index of each destination as its writing begins."""
+
+
 def register(method: LoadMethod) -> Callable[[_B], _B]:
     """Class decorator: ``@register(LoadMethod.SCRATCH)`` makes the class the backend of
     ``method``. Registering a method twice is a programming error."""

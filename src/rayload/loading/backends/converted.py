@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from rayload.errors import CheckpointError, ConfigError
-from rayload.loading.backends.base import Backend, BackendResult, register
+from rayload.loading.backends.base import BackendResult, ReaderBackend, register
 from rayload.loading.manifest import (
     MANIFEST_NAME,
     Crc32,
@@ -32,28 +32,9 @@ from rayload.loading.report import READ, TO_DEVICE, PhaseTimer
 
 
 @register(LoadMethod.CONVERTED)
-class ConvertedBackend(Backend):
+class ConvertedBackend(ReaderBackend):
     """Needs the opened converted :class:`~rayload.loading.checkpoint.Checkpoint`;
     ``bytes_read`` is the size of the rank's files."""
-
-    def _load(self, plan: RankPlan, device: torch.device, timer: PhaseTimer) -> BackendResult:
-        return self._read(plan, device, timer, (), None)
-
-    def _load_into(
-        self,
-        plan: RankPlan,
-        device: torch.device,
-        timer: PhaseTimer,
-        views: Sequence[torch.Tensor],
-        written: set[str],
-    ) -> BackendResult:
-        """Straight into the resident tensors; only the files' headers (and any padding,
-        read for the checksum) go to small new buffers."""
-        touched: set[int] = set()
-        try:
-            return self._read(plan, device, timer, views, touched)
-        finally:
-            written.update(plan.shards[i].name for i in touched if i < len(plan.shards))
 
     def _read(
         self,

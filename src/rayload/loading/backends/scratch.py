@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rayload.loading.backends.base import Backend, BackendResult, register
+from rayload.loading.backends.base import BackendResult, ReaderBackend, register
 from rayload.loading.methods import LoadMethod
 from rayload.loading.plan import RankPlan
 from rayload.loading.reader.readplan import shard_segments
@@ -21,27 +21,10 @@ from rayload.loading.report import READ, TO_DEVICE, PhaseTimer
 
 
 @register(LoadMethod.SCRATCH)
-class ScratchBackend(Backend):
+class ScratchBackend(ReaderBackend):
     """Reads exactly the plan's byte ranges; ``bytes_read`` equals ``plan.nbytes``.
     Into resident tensors it reads straight into their memory (no allocation on CPU; on
     CUDA only the pinned staging ring)."""
-
-    def _load(self, plan: RankPlan, device: torch.device, timer: PhaseTimer) -> BackendResult:
-        return self._read(plan, device, timer, (), None)
-
-    def _load_into(
-        self,
-        plan: RankPlan,
-        device: torch.device,
-        timer: PhaseTimer,
-        views: Sequence[torch.Tensor],
-        written: set[str],
-    ) -> BackendResult:
-        touched: set[int] = set()
-        try:
-            return self._read(plan, device, timer, views, touched)
-        finally:
-            written.update(plan.shards[i].name for i in touched)
 
     def _read(
         self,
