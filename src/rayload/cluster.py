@@ -38,6 +38,7 @@ from typing import Any
 import ray
 
 from rayload.errors import ClusterLostError, ConfigError
+from rayload.tracing.connect_spans import ConnectRecord, observe_local_start
 
 CONNECT_TIMEOUT_S = 5.0
 """At most this long to open a TCP connection to the cluster's address before ``ray.init``."""
@@ -138,10 +139,20 @@ def connect(address: str | None, *, deadline: float) -> bool:
     after checking it answers; True when this call ran ``ray.init``. A Ray already
     initialized in this process is used as is. ``deadline`` (``time.monotonic()``) bounds
     the reachability check."""
+    return connect_recorded(address, deadline=deadline).started_ray
+
+
+def connect_recorded(address: str | None, *, deadline: float) -> ConnectRecord:
+    """:func:`connect`, recording what it did for the children of ``rayload.connect``
+    (:func:`rayload.tracing.connect_spans.add_connect_spans`): when ``ray.init`` was
+    called and returned, and, where it started a local Ray, what that Ray's start
+    observably did (:func:`~rayload.tracing.connect_spans.observe_local_start`)."""
+    start_ns = time.time_ns()
     if ray.is_initialized():
-        return False
+        return ConnectRecord(start_ns, time.time_ns(), started_ray=False)
     found = find_address(address)
     check_reachable(found, timeout_s=min(CONNECT_TIMEOUT_S, deadline - time.monotonic()))
+    init_start_ns = time.time_ns()
     try:
         ray.init(
             address=found.address,
@@ -153,7 +164,34 @@ def connect(address: str | None, *, deadline: float) -> bool:
         raise ConfigError(
             f"cannot connect to Ray at {found.address!r} ({found.describe()}): {exc}"
         ) from exc
-    return True
+    init_end_ns = time.time_ns()
+    events = _observe_local_start()
+    return ConnectRecord(
+        start_ns,
+        time.time_ns(),
+        started_ray=True,
+        init_start_ns=init_start_ns,
+        init_end_ns=init_end_ns,
+        events=events,
+        attributes={"ray.address_source": found.source, "ray.local_start": bool(events)},
+    )
+
+
+def _observe_local_start() -> dict[str, int]:
+    """What the local Ray this process just started did (empty: it joined a cluster)."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    processes = getattr(node, "all_processes", None) or {}
+    if node is None or "raylet" not in processes:
+        return {}
+    pids = {
+        kind: [info.process.pid for info in infos if getattr(info, "process", None)]
+        for kind, infos in processes.items()
+    }
+    try:
+        session_dir = node.get_session_dir_path()
+    except AttributeError:
+        return {}
+    return observe_local_start(pids, session_dir, os.getpid())
 
 
 def gcs_address() -> str | None:

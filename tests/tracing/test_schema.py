@@ -14,6 +14,7 @@ DRIVER_SPANS = {
     schema.ROOT_SPAN,
     schema.PREPARE_SPAN,
     schema.CONNECT_SPAN,
+    *schema.CONNECT_SPANS,
     schema.PLACEMENT_SPAN,
     schema.SPAWN_SPAN,
     schema.SPAWN_WORKER_WAIT_SPAN,

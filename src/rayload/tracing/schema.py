@@ -5,6 +5,15 @@ Span tree::
     rayload.load                  driver, root; one per rayload.load(), from its first line
     ├── rayload.prepare           driver: arguments, config.json, headers, shard plan
     ├── rayload.connect           driver: ray.init (start a local Ray or join a cluster)
+    │   ├── rayload.connect.address      finding the address and its TCP check
+    │   ├── rayload.connect.gcs          (local Ray) GCS server started until it answered
+    │   ├── rayload.connect.dashboard    (local Ray) monitor + dashboard processes
+    │   │   └── .launch, .python, .head      launched, its Python start, its head modules
+    │   ├── rayload.connect.raylet       (local Ray) raylet until registered with the GCS
+    │   │   ├── .start, .agents, .register   its launch, its two agents, registering
+    │   │   └── .agents.python, .agents.setup   the agents' Python start, then set-up
+    │   └── rayload.connect.driver       this process joining as a driver
+    │       └── .setup, .core_worker, .register   (local Ray, from Ray's driver log)
     ├── rayload.placement         driver: placement group created and ready
     ├── rayload.spawn             driver, one per rank: actor process launch to ready
     │   ├── rayload.spawn.worker_wait    spawn call until the worker process started
@@ -14,6 +23,7 @@ Span tree::
     │   └── rayload.spawn.actor_init     Ray building the actor and its __init__
     │       └── rayload.spawn.cuda_context   CUDA context created (GPU ranks only)
     ├── rayload.clock_sync        driver, one per rank: the clock-offset round trips
+    ├── rayload.peers             driver: replicas claimed in the peer directory, sources
     ├── rank.load                 rank process, one per rank
     │   ├── rank.process_group    joining the load's torch.distributed group (when asked)
     │   ├── rank.resolve          ... one child per timed phase (loading.report.PHASES)
@@ -48,6 +58,41 @@ from rayload.loading.report import PHASES
 ROOT_SPAN = "rayload.load"
 PREPARE_SPAN = "rayload.prepare"
 CONNECT_SPAN = "rayload.connect"
+CONNECT_ADDRESS_SPAN = "rayload.connect.address"
+CONNECT_GCS_SPAN = "rayload.connect.gcs"
+CONNECT_DASHBOARD_SPAN = "rayload.connect.dashboard"
+CONNECT_DASHBOARD_LAUNCH_SPAN = "rayload.connect.dashboard.launch"
+CONNECT_DASHBOARD_PYTHON_SPAN = "rayload.connect.dashboard.python"
+CONNECT_DASHBOARD_HEAD_SPAN = "rayload.connect.dashboard.head"
+CONNECT_RAYLET_SPAN = "rayload.connect.raylet"
+CONNECT_RAYLET_START_SPAN = "rayload.connect.raylet.start"
+CONNECT_RAYLET_AGENTS_SPAN = "rayload.connect.raylet.agents"
+CONNECT_RAYLET_AGENTS_PYTHON_SPAN = "rayload.connect.raylet.agents.python"
+CONNECT_RAYLET_AGENTS_SETUP_SPAN = "rayload.connect.raylet.agents.setup"
+CONNECT_RAYLET_REGISTER_SPAN = "rayload.connect.raylet.register"
+CONNECT_DRIVER_SPAN = "rayload.connect.driver"
+CONNECT_DRIVER_SETUP_SPAN = "rayload.connect.driver.setup"
+CONNECT_DRIVER_CORE_WORKER_SPAN = "rayload.connect.driver.core_worker"
+CONNECT_DRIVER_REGISTER_SPAN = "rayload.connect.driver.register"
+CONNECT_SPANS = (
+    CONNECT_ADDRESS_SPAN,
+    CONNECT_GCS_SPAN,
+    CONNECT_DASHBOARD_SPAN,
+    CONNECT_DASHBOARD_LAUNCH_SPAN,
+    CONNECT_DASHBOARD_PYTHON_SPAN,
+    CONNECT_DASHBOARD_HEAD_SPAN,
+    CONNECT_RAYLET_SPAN,
+    CONNECT_RAYLET_START_SPAN,
+    CONNECT_RAYLET_AGENTS_SPAN,
+    CONNECT_RAYLET_AGENTS_PYTHON_SPAN,
+    CONNECT_RAYLET_AGENTS_SETUP_SPAN,
+    CONNECT_RAYLET_REGISTER_SPAN,
+    CONNECT_DRIVER_SPAN,
+    CONNECT_DRIVER_SETUP_SPAN,
+    CONNECT_DRIVER_CORE_WORKER_SPAN,
+    CONNECT_DRIVER_REGISTER_SPAN,
+)
+"""The children of ``rayload.connect`` (what ``ray.init`` did; rayload.tracing.connect_spans)."""
 PLACEMENT_SPAN = "rayload.placement"
 SPAWN_SPAN = "rayload.spawn"
 SPAWN_WORKER_WAIT_SPAN = "rayload.spawn.worker_wait"
@@ -57,6 +102,8 @@ SPAWN_IMPORT_PREFIX = "rayload.spawn.import."
 SPAWN_ACTOR_INIT_SPAN = "rayload.spawn.actor_init"
 SPAWN_CUDA_CONTEXT_SPAN = "rayload.spawn.cuda_context"
 CLOCK_SYNC_SPAN = "rayload.clock_sync"
+PEERS_SPAN = "rayload.peers"
+"""Driver: the replicas claimed in the peer directory and each rank's source chosen."""
 RELOAD_ROOT_SPAN = "rayload.reload"
 ROOT_SPANS = (ROOT_SPAN, RELOAD_ROOT_SPAN)
 """A trace's root: ``rayload.load``, or ``rayload.reload`` for ``LoadResult.reload``."""
@@ -72,6 +119,9 @@ SCOPE_NAME = "rayload"
 
 ATTR_PREFIX = "rayload."
 RANK = "rayload.rank"
+REPLICA = "rayload.replica"
+"""Resource attribute of a rank's spans in a load of several replicas: which replica
+(0..N-1); absent with one."""
 TP_SIZE = "rayload.tp_size"
 NODE_ID = "rayload.node_id"
 DEVICE = "rayload.device"
