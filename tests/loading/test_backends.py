@@ -230,7 +230,8 @@ def test_timer_keeps_the_failed_read_phase(
     assert record.error is not None and "truncated" in record.error
 
 
-@pytest.mark.parametrize("method", sorted(set(LoadMethod) - {LoadMethod.AUTO}))
+# peer needs a source to copy from: tests/loading/test_peer.py checks its phases.
+@pytest.mark.parametrize("method", sorted(set(LoadMethod) - {LoadMethod.AUTO, LoadMethod.PEER}))
 def test_backends_record_read_to_device_sync_phases(
     method: LoadMethod,
     mixed_dtype_checkpoint: Path,

@@ -282,3 +282,87 @@ def test_layout_info_requires_tp_exactly_for_converted() -> None:
         LayoutInfo("hf_single", "/x", converted_tp_size=2)
     with pytest.raises(ValueError):
         LayoutInfo("converted", "/x")
+
+
+# --- peer: another replica holds this rank's shards -----------------------------------
+
+
+def resolve_with_peer(
+    method: LoadMethod | str,
+    probe: EnvProbe,
+    layout: LayoutInfo = HF,
+    *,
+    peer: bool,
+    device: str = "auto",
+    strict: bool = False,
+) -> Resolution:
+    return resolve_method(
+        method, probe, layout, tp_size=2, device=device, strict=strict, peer_available=peer
+    )
+
+
+@pytest.mark.parametrize(
+    ("probe", "layout", "storage"),
+    [
+        (CPU_ONLY, HF, LoadMethod.SCRATCH),
+        (GPU_GDS, HF, LoadMethod.FASTSAFETENSORS_GDR),
+        (GPU_NO_GDS, HF, LoadMethod.SCRATCH),
+        (GPU_GDS, CONVERTED_TP2, LoadMethod.CONVERTED),
+    ],
+)
+@pytest.mark.parametrize("method", ["auto", "peer"])
+def test_auto_and_peer_select_peer_when_a_replica_holds_the_shard(
+    method: str, probe: EnvProbe, layout: LayoutInfo, storage: LoadMethod
+) -> None:
+    res = resolve_with_peer(method, probe, layout, peer=True, strict=True)
+    assert (res.selected, res.storage, res.fallback_reason) == (LoadMethod.PEER, storage, None)
+    assert "another replica holds this rank's shards" in res.reason
+    assert f"falling back to {storage.value}" in res.reason
+
+
+def test_auto_without_a_peer_is_unchanged_and_reads_with_its_storage_method() -> None:
+    res = resolve_with_peer("auto", GPU_GDS, peer=False)
+    assert res == resolve("auto", GPU_GDS)
+    assert res.storage is res.selected is LoadMethod.FASTSAFETENSORS_GDR
+
+
+@pytest.mark.parametrize(
+    ("probe", "layout", "storage"),
+    [(CPU_ONLY, HF, LoadMethod.SCRATCH), (GPU_GDS, CONVERTED_TP2, LoadMethod.CONVERTED)],
+)
+def test_peer_without_a_peer_falls_back_to_what_auto_would_read_with(
+    probe: EnvProbe, layout: LayoutInfo, storage: LoadMethod
+) -> None:
+    res = resolve_with_peer("peer", probe, layout, peer=False)
+    assert (res.requested, res.selected, res.storage) == (LoadMethod.PEER, storage, storage)
+    assert res.fallback_reason == (
+        "no replica holding this checkpoint (same identity and plan) was found; read from storage"
+    )
+
+
+def test_peer_without_a_peer_under_strict_raises_method_unavailable() -> None:
+    with pytest.raises(MethodUnavailableError, match="no replica holding this checkpoint"):
+        resolve_with_peer("peer", CPU_ONLY, peer=False, strict=True)
+
+
+@pytest.mark.parametrize(
+    "method", [m for m in LoadMethod if m not in (LoadMethod.AUTO, LoadMethod.PEER)]
+)
+def test_requested_storage_methods_ignore_peers(method: LoadMethod) -> None:
+    with_peer = resolve_with_peer(method, GPU_GDS, peer=True)
+    assert with_peer == resolve_with_peer(method, GPU_GDS, peer=False)
+    assert with_peer.selected is not LoadMethod.PEER
+    assert with_peer.storage is with_peer.selected
+
+
+def test_peer_with_a_converted_checkpoint_for_another_tp_still_raises() -> None:
+    with pytest.raises(CheckpointError, match="converted for tp_size=2, not 4"):
+        resolve_method(
+            "peer", GPU_GDS, CONVERTED_TP2, tp_size=4, device="auto", strict=False,
+            peer_available=True,
+        )  # fmt: skip
+
+
+def test_a_peer_resolution_must_name_its_storage_method() -> None:
+    with pytest.raises(ValueError, match="storage method"):
+        Resolution(LoadMethod.PEER, LoadMethod.PEER, "cpu", "peer")

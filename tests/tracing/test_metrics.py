@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -20,6 +21,8 @@ KEYS = [
     "placement_seconds",
     "bytes_read",
     "read_gbps",
+    "bytes_from_storage",
+    "bytes_from_peers",
 ]
 SCRATCH = MethodReport(LoadMethod.AUTO, LoadMethod.SCRATCH, LoadMethod.SCRATCH)
 FALLBACK = MethodReport(
@@ -103,6 +106,8 @@ def test_per_rank_figures_from_phases() -> None:
         "placement_seconds": 0.75,
         "bytes_read": 4 * S,
         "read_gbps": 2.0,
+        "bytes_from_storage": 4 * S,
+        "bytes_from_peers": 0,
         "phases": {
             "rank.resolve": 0.25,
             "rank.plan": 0.25,
@@ -136,6 +141,27 @@ def test_aggregate_max_mean_slowest_rank_and_method_tag() -> None:
     assert aggregate["placement_seconds"]["slowest_rank"] is None  # driver-wide
     assert aggregate["bytes_read"]["mean"] == 4 * S
     assert aggregate["bytes_read"]["slowest_rank"] is None  # more bytes is not slower
+
+
+def test_byte_aggregates_sum_storage_and_peer_bytes_over_ranks() -> None:
+    from_peer = dataclasses.replace(REPORTS[0], bytes_read=0, bytes_from_peers=3 * S)
+    metrics = startup_metrics(
+        [from_peer, REPORTS[1]], placement_seconds=0.0, actor_startup_seconds={}
+    )
+    aggregate = metrics["aggregate"]
+    assert aggregate["bytes_from_peers"] == {
+        "max": 3 * S,
+        "mean": 3 * S // 2,
+        "min": 0,
+        "slowest_rank": None,
+        "method": "fastsafetensors,scratch",
+        "total": 3 * S,
+    }
+    assert aggregate["bytes_from_storage"]["total"] == aggregate["bytes_read"]["total"] == 4 * S
+    assert [r["bytes_from_peers"] for r in metrics["ranks"]] == [3 * S, 0]
+    table = format_metrics_table(metrics)
+    row0 = table.splitlines()[2].split()
+    assert row0[-3:] == ["0.000", "3.000", "0.000"]  # GB from storage, peer_GB, GB/s
 
 
 def test_read_gbps_aggregate_total_is_all_bytes_over_longest_population() -> None:
@@ -177,12 +203,12 @@ def test_table_has_rank_rows_phase_columns_and_notes() -> None:
     header, rule, row0, row1, *rest = table.splitlines()
     assert header.split() == [
         "rank", "method", "actor", "resolve", "plan", "read", "to_device", "sync",
-        "post_load", "total", "GB", "GB/s",
+        "post_load", "total", "GB", "peer_GB", "GB/s",
     ]  # fmt: skip
     assert set(rule.replace(" ", "")) == {"-"}
     assert row0.split() == [
         "0", "scratch", "2.000", "0.250", "0.250", "2.000", "0.500", "0.250", "0.250",
-        "4.000", "4.000", "2.000",
+        "4.000", "4.000", "0.000", "2.000",
     ]  # fmt: skip
     assert row1.split()[0] == "1*"
     assert "placement 0.750 s" in table

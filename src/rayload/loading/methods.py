@@ -7,7 +7,11 @@ from dataclasses import dataclass
 
 
 class LoadMethod(str, enum.Enum):
-    """How a rank reads its weights. Values are the CLI's ``--method`` strings."""
+    """How a rank reads its weights. Values are the CLI's ``--method`` strings.
+
+    ``peer`` copies the rank's shards from a rank of another replica that holds them
+    (same checkpoint identity, same plan), falling back to storage when it cannot.
+    """
 
     AUTO = "auto"
     SCRATCH = "scratch"
@@ -15,6 +19,7 @@ class LoadMethod(str, enum.Enum):
     FASTSAFETENSORS = "fastsafetensors"
     FASTSAFETENSORS_GDR = "fastsafetensors_gdr"
     DUMMY = "dummy"
+    PEER = "peer"
 
     def __str__(self) -> str:
         return self.value

@@ -21,6 +21,7 @@ from rayload.loading.backends import BACKENDS, BackendResult
 from rayload.loading.checkpoint import Checkpoint, open_checkpoint
 from rayload.loading.manifest import verify_file_checksum
 from rayload.loading.methods import LoadMethod, MethodReport
+from rayload.loading.peer import PeerSource
 from rayload.loading.plan import RankPlan, ShardPlan, plan_shards
 from rayload.loading.probe import EnvProbe, probe_environment
 from rayload.loading.reader import ReaderOptions
@@ -33,9 +34,10 @@ PostLoad = Callable[[dict[str, torch.Tensor]], object]
 """Post-load work on the loaded tensors (e.g. weight processing); its result is ignored."""
 
 _MAY_USE_FASTSAFETENSORS = frozenset(
-    {LoadMethod.AUTO, LoadMethod.FASTSAFETENSORS, LoadMethod.FASTSAFETENSORS_GDR}
+    {LoadMethod.AUTO, LoadMethod.PEER, LoadMethod.FASTSAFETENSORS, LoadMethod.FASTSAFETENSORS_GDR}
 )
-"""Requested methods that may end up running fastsafetensors: only these import it."""
+"""Requested methods that may end up running fastsafetensors: only these import it (``peer``
+falls back to what ``auto`` would choose)."""
 
 _UNCHECKED_METHODS = frozenset({LoadMethod.FASTSAFETENSORS, LoadMethod.FASTSAFETENSORS_GDR})
 """Methods that can read a converted checkpoint's rank files but do not check their
@@ -57,6 +59,7 @@ def load_rank(
     post_load: PostLoad | None = None,
     reader_options: ReaderOptions | None = None,
     expert_parallel: bool = False,
+    peer: PeerSource | None = None,
 ) -> tuple[dict[str, torch.Tensor], RankReport]:
     """Load rank ``rank`` of ``tp_size`` of the checkpoint at ``path`` onto ``device``.
 
@@ -67,7 +70,10 @@ def load_rank(
     ``timer`` collects the phases (pass your own to keep them when this raises);
     ``post_load(tensors)`` runs inside ``rank.post_load``, followed by a device sync.
     ``expert_parallel`` gives the rank only its experts, whole
-    (:mod:`~rayload.loading.experts`).
+    (:mod:`~rayload.loading.experts`). ``peer`` is a rank of another replica holding this
+    rank's shards (same :func:`~rayload.loading.identity.peer_key`): ``auto`` and ``peer``
+    then copy the shards from it, reading storage instead if it fails
+    (:mod:`~rayload.loading.backends.peer`); other methods ignore it.
 
     Returns the tensors (this rank's shards by name) and the :class:`RankReport`, whose
     ``start_ns`` is taken before any config or header is parsed.
@@ -87,6 +93,7 @@ def load_rank(
         probe=probe,
         reader_options=reader_options,
         expert_parallel=expert_parallel,
+        peer=peer,
     )
     tensors = result.tensors
 
@@ -127,7 +134,9 @@ def reload_rank(
     copy them in (the report's ``rank.to_device`` with ``copied_into_resident=True``).
     ``written`` collects the names of the tensors the backend began to write: after a
     failure, exactly those may hold new bytes. Other arguments as for :func:`load_rank`;
-    the phases are the same (``rank.post_load`` is empty).
+    the phases are the same (``rank.post_load`` is empty). A reload reads storage: there
+    is no peer, so ``method="peer"`` falls back to the storage method (and is a
+    MethodUnavailableError under ``strict``).
     """
     timer = timer if timer is not None else PhaseTimer()
     start_ns = timer.clock()
@@ -198,6 +207,7 @@ def _run(
     expert_parallel: bool,
     into: Mapping[str, torch.Tensor] | None = None,
     written: set[str] | None = None,
+    peer: PeerSource | None = None,
 ) -> tuple[RankPlan, Resolution, BackendResult]:
     """``rank.resolve``, ``rank.plan`` and the backend's phases (into ``into`` when
     given), with the fallback checks; what load_rank and reload_rank share."""
@@ -216,6 +226,7 @@ def _run(
             tp_size=tp_size,
             device=device,
             strict=strict,
+            peer_available=peer is not None,
         )
         attrs.update(
             {
@@ -237,7 +248,13 @@ def _run(
         ]
         attrs.update({"bytes": plan.nbytes, "tensors": len(plan.shards)})
 
-    backend = BACKENDS[resolution.selected](env, checkpoint=checkpoint, options=reader_options)
+    backend = BACKENDS[resolution.selected](
+        env,
+        checkpoint=checkpoint,
+        options=reader_options,
+        peer=peer,
+        storage=resolution.storage,
+    )
     result = backend.load(plan, resolution.device, timer, into=into, written=written)
     if result.fallback_reason is not None:
         log_fallback(rank, resolution.selected, result.effective, result.fallback_reason)
@@ -269,6 +286,8 @@ def _report(
             fallback_reason="; ".join(reasons) or None,
         ),
         bytes_read=result.bytes_read,
+        bytes_from_peers=result.bytes_from_peers,
+        source=result.source,
         tensors=len(result.tensors),
         start_ns=start_ns,
         end_ns=timer.clock(),

@@ -24,6 +24,10 @@ POST_LOAD = "rank.post_load"
 PHASES = (RESOLVE, PLAN, READ, TO_DEVICE, SYNC, POST_LOAD)
 """Span names of a rank's phases, all children of ``rank.load``."""
 
+STORAGE_SOURCE = "storage"
+"""The ``rayload.source`` of bytes read from the checkpoint's files (the other source is a
+peer: :func:`rayload.loading.peer.source_label`)."""
+
 
 @dataclass(frozen=True)
 class PhaseRecord:
@@ -52,11 +56,12 @@ class PhaseTimer:
     def __init__(self, clock: Callable[[], int] = time.time_ns) -> None:
         self.clock = clock
         self.records: list[PhaseRecord] = []
+        self._tags: dict[str, Any] = {}
 
     @contextmanager
     def phase(self, name: str, **attributes: Any) -> Iterator[dict[str, Any]]:
         """Time the block; the yielded dict may be filled with attributes inside it."""
-        attrs = dict(attributes)
+        attrs = {**self._tags, **attributes}
         start = self.clock()
         try:
             yield attrs
@@ -65,6 +70,18 @@ class PhaseTimer:
             raise
         self.records.append(PhaseRecord(name, start, self.clock(), attrs))
 
+    @contextmanager
+    def tagged(self, **attributes: Any) -> Iterator[None]:
+        """Give every phase started inside the block ``attributes`` (a phase's own
+        attributes win): e.g. ``source="storage"`` on the phases of a storage read that
+        another backend runs for its fallback."""
+        saved = self._tags
+        self._tags = {**saved, **attributes}
+        try:
+            yield
+        finally:
+            self._tags = saved
+
 
 @dataclass(frozen=True)
 class RankReport:
@@ -72,6 +89,11 @@ class RankReport:
 
     ``start_ns``/``end_ns`` bound the whole rank load (from the start of config parsing to
     the end of post-load work); ``phases`` are the timed children.
+
+    ``bytes_read`` counts the bytes read from the checkpoint's files
+    (:attr:`bytes_from_storage`), ``bytes_from_peers`` those copied from a rank of another
+    replica (the ``peer`` method); ``source`` is the ``rayload.source`` of the bytes the
+    rank holds: ``"storage"``, or ``"peer replica=<id> rank=<r> node=<node>"``.
     """
 
     rank: int
@@ -86,6 +108,13 @@ class RankReport:
     phases: tuple[PhaseRecord, ...] = ()
     node_id: str | None = None
     model_role: str = "main"
+    bytes_from_peers: int = 0
+    source: str = STORAGE_SOURCE
+
+    @property
+    def bytes_from_storage(self) -> int:
+        """Bytes read from the checkpoint's files: ``bytes_read`` by its other name."""
+        return self.bytes_read
 
     @property
     def seconds(self) -> float:
@@ -103,6 +132,9 @@ class RankReport:
             "device": self.device,
             "method": self.method.to_dict(),
             "bytes_read": self.bytes_read,
+            "bytes_from_storage": self.bytes_from_storage,
+            "bytes_from_peers": self.bytes_from_peers,
+            "source": self.source,
             "tensors": self.tensors,
             "seconds": round(self.seconds, 6),
         }

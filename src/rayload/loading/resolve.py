@@ -51,6 +51,10 @@ class Resolution:
 
     ``reason`` says why ``selected`` was chosen (for ``auto`` too); ``fallback_reason``
     is None exactly when ``selected`` is what was requested or what ``auto`` chose.
+    ``storage`` is the method that reads the checkpoint's files: ``selected`` itself,
+    except when ``selected`` is ``peer``, where it is the method ``auto`` would choose
+    without a peer, which the peer backend falls back to when the peer fails (left out,
+    it is ``selected``; a ``peer`` selection must name it).
     """
 
     requested: LoadMethod
@@ -58,6 +62,13 @@ class Resolution:
     device: str
     reason: str
     fallback_reason: str | None = None
+    storage: LoadMethod | None = None
+
+    def __post_init__(self) -> None:
+        if self.storage is None and self.selected is not LoadMethod.PEER:
+            object.__setattr__(self, "storage", self.selected)
+        if self.storage in (None, LoadMethod.PEER, LoadMethod.AUTO):
+            raise ValueError(f"storage must be a storage method, not {self.storage}")
 
 
 def resolve_device(device: str | torch.device, probe: EnvProbe) -> str:
@@ -100,8 +111,14 @@ def resolve_method(
     tp_size: int,
     device: str | torch.device,
     strict: bool,
+    peer_available: bool = False,
 ) -> Resolution:
     """Decide the method and device for a rank loading ``tp_size`` shards.
+
+    ``peer_available`` says a rank of another replica holds this rank's shards (same
+    checkpoint identity and plan): ``auto`` and ``peer`` then select ``peer``, with the
+    storage method ``auto`` would otherwise choose as ``storage``; ``peer`` without one
+    falls back to that storage method. Other requested methods ignore peers.
 
     Raises ConfigError for an unknown method or an unusable device, CheckpointError for a
     converted checkpoint written for another tp size, and MethodUnavailableError when
@@ -110,30 +127,27 @@ def resolve_method(
     method = parse_method(requested)
     resolved_device = resolve_device(device, probe)
     check_converted_tp(layout_info.root, layout_info.converted_tp_size, tp_size)
-    if method is LoadMethod.AUTO:
-        selected, reason = _choose_auto(probe, layout_info, resolved_device, tp_size)
-        return Resolution(method, selected, resolved_device, reason)
+    if method in (LoadMethod.AUTO, LoadMethod.PEER):
+        storage, reason = _choose_auto(probe, layout_info, resolved_device, tp_size)
+        if peer_available:
+            why = (
+                "a rank of another replica holds this rank's shards (same checkpoint "
+                f"identity and plan): copy them from it, falling back to {storage.value} "
+                f"({reason})"
+            )
+            return Resolution(method, LoadMethod.PEER, resolved_device, why, storage=storage)
+        if method is LoadMethod.AUTO:
+            return Resolution(method, storage, resolved_device, reason)
+        return _fell_back(method, storage, resolved_device, [_NO_PEER], strict)
 
-    selected, reasons = method, []
+    selected: LoadMethod = method
+    reasons: list[str] = []
     while (step := _fallback(selected, probe, layout_info, resolved_device, tp_size)) is not None:
         selected, why = step
         reasons.append(why)
     if not reasons:
         return Resolution(method, method, resolved_device, f"{method.value} was requested")
-    fallback_reason = "; ".join(reasons)
-    if strict:
-        raise MethodUnavailableError(
-            f"load method {method.value!r} cannot run here: {fallback_reason} "
-            f"(strict mode forbids falling back to {selected.value!r}; drop --strict-method "
-            "or choose another --method)"
-        )
-    return Resolution(
-        method,
-        selected,
-        resolved_device,
-        f"{method.value} was requested but fell back to {selected.value}",
-        fallback_reason,
-    )
+    return _fell_back(method, selected, resolved_device, reasons, strict)
 
 
 def log_fallback(rank: int, requested: LoadMethod, used: LoadMethod, reason: str | None) -> None:
@@ -146,6 +160,32 @@ def log_fallback(rank: int, requested: LoadMethod, used: LoadMethod, reason: str
             used.value,
             reason,
         )
+
+
+_NO_PEER = (
+    "no replica holding this checkpoint (same identity and plan) was found; read from storage"
+)
+
+
+def _fell_back(
+    method: LoadMethod, selected: LoadMethod, device: str, reasons: list[str], strict: bool
+) -> Resolution:
+    """The resolution of ``method`` falling back to ``selected`` for ``reasons``;
+    MethodUnavailableError instead when ``strict``."""
+    fallback_reason = "; ".join(reasons)
+    if strict:
+        raise MethodUnavailableError(
+            f"load method {method.value!r} cannot run here: {fallback_reason} "
+            f"(strict mode forbids falling back to {selected.value!r}; drop --strict-method "
+            "or choose another --method)"
+        )
+    return Resolution(
+        method,
+        selected,
+        device,
+        f"{method.value} was requested but fell back to {selected.value}",
+        fallback_reason,
+    )
 
 
 def _choose_auto(

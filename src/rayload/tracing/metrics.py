@@ -9,14 +9,16 @@ Keys (docs/design.md, seconds unless named otherwise; ``draft_``-prefixed for a 
     post_load_processing_seconds    rank.post_load
     actor_startup_seconds           driver-measured actor launch to ready (rayload.spawn)
     placement_seconds               placement group ready; driver-wide, same for every rank
-    bytes_read                      bytes
+    bytes_read                      bytes read from the checkpoint's files
     read_gbps                       bytes_read / rank.read seconds, in GB/s (1e9 bytes)
+    bytes_from_storage              bytes read from the checkpoint's files (= bytes_read)
+    bytes_from_peers                bytes copied from a rank of another replica (peer)
 
 Shape of :func:`startup_metrics`::
 
     {"model_role": "main", "method": "scratch", "slowest_rank": 1,
      "aggregate": {KEY: {"max", "mean", "min", "slowest_rank", "method"}, ...,
-                   "read_gbps": {..., "total"}},
+                   "read_gbps": {..., "total"}, "bytes_*": {..., "total"}},
      "ranks": [{"rank", "node_id", "method", "fallback_reason", KEY: value, ...,
                 "phases": {"rank.read": seconds, ...}}, ...]}
 
@@ -24,8 +26,10 @@ Shape of :func:`startup_metrics`::
 distinct methods joined by "," when ranks differ). ``slowest_rank`` of a figure is the
 rank with the worst value: the largest, except for ``read_gbps`` where it is the smallest;
 None for ``placement_seconds``, which no rank owns, and for ``bytes_read``, where more is
-not worse. ``read_gbps``'s aggregate also has ``total``: the bytes of all ranks over the
-longest ``weight_population_seconds`` (the load's own throughput).
+not worse (nor for the other byte figures). ``read_gbps``'s aggregate also has ``total``:
+the bytes of all ranks over the longest ``weight_population_seconds`` (the load's own
+throughput); each byte figure's (``bytes_read``, ``bytes_from_storage``,
+``bytes_from_peers``) has ``total``: the sum over the ranks.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ ACTOR_STARTUP = "actor_startup_seconds"
 PLACEMENT = "placement_seconds"
 BYTES_READ = "bytes_read"
 READ_GBPS = "read_gbps"
+BYTES_FROM_STORAGE = "bytes_from_storage"
+BYTES_FROM_PEERS = "bytes_from_peers"
 METRIC_KEYS = (
     TOTAL,
     PREPARATION,
@@ -65,12 +71,16 @@ METRIC_KEYS = (
     PLACEMENT,
     BYTES_READ,
     READ_GBPS,
+    BYTES_FROM_STORAGE,
+    BYTES_FROM_PEERS,
 )
 
 _PREPARATION_PHASES = (RESOLVE, PLAN)
 _POPULATION_PHASES = (READ, TO_DEVICE, SYNC)
 _LOWER_IS_WORSE = frozenset({READ_GBPS})
-_NO_SLOWEST = frozenset({PLACEMENT, BYTES_READ})
+_BYTES = frozenset({BYTES_READ, BYTES_FROM_STORAGE, BYTES_FROM_PEERS})
+"""Byte counts: integer means, and a ``total`` over the ranks in the aggregate."""
+_NO_SLOWEST = frozenset({PLACEMENT}) | _BYTES
 """Figures where no rank is "slowest": driver-wide, or where more is not worse."""
 
 
@@ -103,6 +113,9 @@ def startup_metrics(
         for key in METRIC_KEYS
     }
     aggregate[metric_key(READ_GBPS, model_role)]["total"] = _total_gbps(ranks, model_role)
+    for key in _BYTES:
+        name = metric_key(key, model_role)
+        aggregate[name]["total"] = sum(r[name] for r in ranks)
     return {
         "model_role": model_role,
         "method": method,
@@ -125,6 +138,8 @@ def _rank_metrics(
         PLACEMENT: _seconds(placement),
         BYTES_READ: report.bytes_read,
         READ_GBPS: round(report.bytes_read / 1e9 / read_seconds, 3) if read_seconds > 0 else 0.0,
+        BYTES_FROM_STORAGE: report.bytes_from_storage,
+        BYTES_FROM_PEERS: report.bytes_from_peers,
     }
     return {
         "rank": report.rank,
@@ -146,7 +161,7 @@ def _aggregate(ranks: list[dict[str, Any]], key: str, base_key: str, method: str
     mean = fmean(values)
     return {
         "max": max(values),
-        "mean": round(mean) if base_key == BYTES_READ else round(mean, 6),
+        "mean": round(mean) if base_key in _BYTES else round(mean, 6),
         "min": min(values),
         "slowest_rank": None if base_key in _NO_SLOWEST else slowest,
         "method": method,
@@ -175,10 +190,11 @@ _PHASE_COLUMNS = tuple(name.removeprefix("rank.") for name in PHASES)
 def format_metrics_table(metrics: dict[str, Any]) -> str:
     """A fixed-width rank x phase table of :func:`startup_metrics` output, in seconds.
 
-    The slowest rank is marked ``*``; placement and any fallback follow the table.
+    The slowest rank is marked ``*``; ``GB`` are read from storage, ``peer_GB`` copied from
+    other replicas; placement and any fallback follow the table.
     """
     role = metrics["model_role"]
-    header = ["rank", "method", "actor", *_PHASE_COLUMNS, "total", "GB", "GB/s"]
+    header = ["rank", "method", "actor", *_PHASE_COLUMNS, "total", "GB", "peer_GB", "GB/s"]
     rows: list[list[str]] = []
     for rank in metrics["ranks"]:
         marker = "*" if rank["rank"] == metrics["slowest_rank"] else ""
@@ -189,7 +205,8 @@ def format_metrics_table(metrics: dict[str, Any]) -> str:
                 _num(rank[metric_key(ACTOR_STARTUP, role)]),
                 *(_num(rank["phases"][name]) for name in PHASES),
                 _num(rank[metric_key(TOTAL, role)]),
-                _num(rank[metric_key(BYTES_READ, role)] / 1e9),
+                _num(rank[metric_key(BYTES_FROM_STORAGE, role)] / 1e9),
+                _num(rank[metric_key(BYTES_FROM_PEERS, role)] / 1e9),
                 _num(rank[metric_key(READ_GBPS, role)]),
             ]
         )

@@ -160,6 +160,9 @@ def report_attributes(report: RankReport) -> dict[str, Any]:
         "method.effective": report.method.effective.value,
         "fallback_reason": report.method.fallback_reason,
         "bytes": report.bytes_read,
+        "bytes_from_storage": report.bytes_from_storage,
+        "bytes_from_peers": report.bytes_from_peers,
+        "source": report.source,
         "tensors": report.tensors,
         "model_role": report.model_role,
     }

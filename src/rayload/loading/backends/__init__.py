@@ -4,7 +4,7 @@ machinery (fastsafetensors, CUDA) is imported only when a backend runs."""
 
 from __future__ import annotations
 
-from rayload.loading.backends import converted, dummy, fastsafetensors, scratch
+from rayload.loading.backends import converted, dummy, fastsafetensors, peer, scratch
 from rayload.loading.backends.base import BACKENDS, Backend, BackendResult, register
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "converted",
     "dummy",
     "fastsafetensors",
+    "peer",
     "register",
     "scratch",
 ]

@@ -15,7 +15,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import ClassVar, TypeVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import torch
 
@@ -27,7 +27,10 @@ from rayload.loading.plan import RankPlan
 from rayload.loading.probe import EnvProbe
 from rayload.loading.reader import ReaderOptions
 from rayload.loading.reader.reads import byte_view
-from rayload.loading.report import SYNC, TO_DEVICE, PhaseTimer
+from rayload.loading.report import STORAGE_SOURCE, SYNC, TO_DEVICE, PhaseTimer
+
+if TYPE_CHECKING:
+    from rayload.loading.peer import PeerSource
 
 log = logging.getLogger(__name__)
 
@@ -43,18 +46,27 @@ class BackendResult:
 
     tensors: dict[str, torch.Tensor]
     bytes_read: int
+    """Bytes read from the checkpoint's files."""
     effective: LoadMethod
     fallback_reason: str | None = None
     copied_into: bool = False
     """Loading into existing tensors (``Backend.load(into=...)``): True when the backend
     loaded fresh tensors and copied them in, False when it read straight into them."""
+    bytes_from_peers: int = 0
+    """Bytes copied from a rank of another replica (the ``peer`` method)."""
+    source: str = STORAGE_SOURCE
+    """Where the tensors' bytes came from: ``storage``, or the peer's
+    :func:`~rayload.loading.peer.source_label`."""
 
 
 class Backend(ABC):
     """Loads one rank's shards onto a device.
 
     ``checkpoint`` is the opened checkpoint (the converted backend reads its manifest);
-    ``options`` tune rayload's own reader.
+    ``options`` tune rayload's own reader. ``peer`` (the rank of another replica holding
+    the shards) and ``storage`` (the storage method to read with when the peer fails,
+    :attr:`~rayload.loading.resolve.Resolution.storage`) are for the ``peer`` backend;
+    the others ignore them.
     """
 
     method: ClassVar[LoadMethod]
@@ -65,10 +77,14 @@ class Backend(ABC):
         *,
         checkpoint: Checkpoint | None = None,
         options: ReaderOptions | None = None,
+        peer: PeerSource | None = None,
+        storage: LoadMethod | None = None,
     ) -> None:
         self.probe = probe
         self.checkpoint = checkpoint
         self.options = options or ReaderOptions()
+        self.peer = peer
+        self.storage = storage
 
     def load(
         self,

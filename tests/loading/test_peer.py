@@ -1,0 +1,260 @@
+"""The ``peer`` method without Ray: a rank copies its shards from an in-process source
+(``support.peers.TensorPeer``, serving tensors a storage load produced), bit for bit, and
+reads storage instead, reported as a fallback, whenever the source fails."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from rayload.errors import MethodUnavailableError
+from rayload.loading import load_rank, plan_shards
+from rayload.loading.methods import LoadMethod
+from rayload.loading.peer import PeerUnavailable, receive_shards, source_label
+from rayload.loading.rank import reload_rank
+from rayload.loading.report import READ, SYNC, TO_DEVICE, RankReport
+from rayload.tracing import startup_metrics
+from rayload.tracing.rank_spans import report_attributes
+from support.peers import TensorPeer
+
+TP = 2
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama written by transformers' ``save_pretrained`` (float32)."""
+    pytest.importorskip("transformers")
+    from support.transformers_models import write_llama_gqa
+
+    return write_llama_gqa(tmp_path_factory.mktemp("peer") / "llama")
+
+
+@pytest.fixture(params=["llama", "mixed_dtype"])
+def checkpoint(request: pytest.FixtureRequest) -> Path:
+    """The transformers Llama, and a checkpoint in BF16, F16, F32 and I32."""
+    name = "llama" if request.param == "llama" else "mixed_dtype_checkpoint"
+    path: Path = request.getfixturevalue(name)
+    return path
+
+
+def _storage(path: Path, rank: int = 1) -> tuple[dict[str, torch.Tensor], RankReport]:
+    return load_rank(path, rank, TP, "scratch")
+
+
+def _holder(path: Path, rank: int = 1, **faults: object) -> TensorPeer:
+    """A peer holding rank ``rank``'s shards, loaded from storage by another "replica"."""
+    tensors, _ = _storage(path, rank)
+    return TensorPeer(tensors, rank=rank, **faults)  # type: ignore[arg-type]
+
+
+def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype, name
+        assert torch.equal(got[name], tensor), name
+
+
+# --- a peer that works -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["auto", "peer"])
+def test_peer_load_is_bit_identical_to_storage(checkpoint: Path, method: str) -> None:
+    expected, storage_report = _storage(checkpoint)
+    peer = _holder(checkpoint)
+    tensors, report = load_rank(checkpoint, 1, TP, method, peer=peer)
+    _assert_equal(tensors, expected)
+    plan = plan_shards(checkpoint, TP).ranks[1]
+    assert report.method.selected is LoadMethod.PEER
+    assert report.method.effective is LoadMethod.PEER
+    assert report.method.fallback_reason is None
+    assert (
+        report.bytes_from_peers
+        == plan.nbytes
+        == sum(t.numel() * t.element_size() for t in expected.values())
+    )
+    assert report.bytes_read == report.bytes_from_storage == 0
+    assert storage_report.bytes_from_peers == 0 and storage_report.source == "storage"
+    assert report.source == "peer replica=3f2a rank=1 node=ab12cd34" == source_label(peer)
+
+
+def test_auto_with_a_peer_says_why_it_chose_it(llama: Path) -> None:
+    _, report = load_rank(llama, 0, TP, "auto", peer=_holder(llama, 0))
+    [resolve] = [p for p in report.phases if p.name == "rank.resolve"]
+    assert resolve.attributes["method.selected"] == "peer"
+    assert "another replica holds this rank's shards" in resolve.attributes["resolve_reason"]
+
+
+def test_peer_read_phase_names_the_source(llama: Path) -> None:
+    _, report = load_rank(llama, 1, TP, "peer", peer=_holder(llama))
+    assert [p.name for p in report.phases][2:5] == [READ, TO_DEVICE, SYNC]
+    [read] = [p for p in report.phases if p.name == READ]
+    assert read.error is None
+    assert read.attributes["source"] == "peer replica=3f2a rank=1 node=ab12cd34"
+    assert read.attributes["peer.replica"] == "3f2a"
+    assert read.attributes["peer.rank"] == 1
+    assert read.attributes["peer.node_id"] == "ab12cd34"
+    assert (
+        read.attributes["bytes"] == read.attributes["bytes_from_peers"] == report.bytes_from_peers
+    )
+
+
+def test_peer_without_node_id_says_node_unknown(llama: Path) -> None:
+    tensors, _ = _storage(llama)
+    peer = TensorPeer(tensors, rank=1, node_id=None)
+    _, report = load_rank(llama, 1, TP, "peer", peer=peer)
+    assert report.source == "peer replica=3f2a rank=1 node=unknown"
+
+
+def test_other_methods_ignore_a_peer(llama: Path) -> None:
+    peer = _holder(llama)
+    _, report = load_rank(llama, 1, TP, "scratch", peer=peer)
+    assert peer.served == 0
+    assert report.method.effective is LoadMethod.SCRATCH
+    assert (report.bytes_from_peers, report.source) == (0, "storage")
+    assert report.bytes_read > 0
+
+
+# --- a peer that fails -------------------------------------------------------------------
+
+
+FAULTS = {
+    "dies after 2 shards": ({"fail_after": 2}, "the holder's actor died after 2 shards"),
+    "dies before any shard": ({"fail_after": 0}, "died after 0 shards"),
+    "raises something else": (
+        {"fail_after": 3, "error": ConnectionResetError("object store lost")},
+        "ConnectionResetError: object store lost",
+    ),
+    "sends a wrong length": ({"short": "model.norm.weight"}, "for tensor 'model.norm.weight'"),
+    "omits a tensor": ({"omit": "lm_head.weight"}, "without sending 1 of the"),
+    "sends an unknown tensor": ({"extra": "model.bogus"}, "'model.bogus', which rank 1's plan"),
+}
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=list(FAULTS))
+def test_failing_peer_falls_back_to_storage_with_the_same_bytes(
+    mixed_dtype_checkpoint: Path, fault: str
+) -> None:
+    faults, cause = FAULTS[fault]
+    path = mixed_dtype_checkpoint
+    expected, storage_report = _storage(path)
+    peer = _holder(path, **faults)
+    tensors, report = load_rank(path, 1, TP, "auto", peer=peer)
+    _assert_equal(tensors, expected)
+    assert report.method.selected is LoadMethod.PEER
+    assert report.method.effective is LoadMethod.SCRATCH
+    reason = report.method.fallback_reason
+    assert reason is not None
+    assert reason.startswith("replica 3f2a rank 1 on node ab12cd34 failed mid-transfer: ")
+    assert cause in reason
+    assert reason.endswith("; read from storage instead")
+    assert report.bytes_read == storage_report.bytes_read
+    assert (report.bytes_from_peers, report.source) == (0, "storage")
+
+
+def test_failing_peer_spans_say_what_came_from_storage(llama: Path) -> None:
+    _, report = load_rank(llama, 1, TP, "peer", peer=_holder(llama, fail_after=1))
+    names = [p.name for p in report.phases]
+    assert names[2:] == [READ, READ, TO_DEVICE, SYNC, "rank.post_load"]
+    peer_read, storage_read, to_device = report.phases[2:5]
+    assert peer_read.error is None, "a peer failure is a fallback, not a failed rank"
+    assert peer_read.attributes["source"].startswith("peer ")
+    assert "died after 1 shards" in peer_read.attributes["peer.error"]
+    assert storage_read.attributes["source"] == "storage"
+    assert to_device.attributes["source"] == "storage"
+    assert "peer.replica" not in storage_read.attributes
+
+
+def test_failing_peer_under_strict_raises_method_unavailable(llama: Path) -> None:
+    with pytest.raises(MethodUnavailableError, match="failed mid-transfer") as info:
+        load_rank(llama, 1, TP, "auto", peer=_holder(llama, fail_after=1), strict=True)
+    assert "rank 1: peer ran as scratch" in str(info.value)
+
+
+def test_fetch_that_raises_when_called_falls_back(llama: Path) -> None:
+    class Refusing(TensorPeer):
+        def fetch(self, plan):  # type: ignore[no-untyped-def]
+            raise PeerUnavailable("the holder replica was shut down")
+
+    tensors, _ = _storage(llama)
+    _, report = load_rank(llama, 1, TP, "peer", peer=Refusing(tensors, rank=1))
+    assert report.method.effective is LoadMethod.SCRATCH
+    assert "the holder replica was shut down" in (report.method.fallback_reason or "")
+
+
+def test_receive_shards_closes_the_peer_iterator_when_it_fails(llama: Path) -> None:
+    closed = []
+    peer = _holder(llama, short="model.norm.weight")
+    inner = peer.fetch
+
+    def fetch(plan):  # type: ignore[no-untyped-def]
+        try:
+            yield from inner(plan)
+        finally:
+            closed.append(True)
+
+    peer.fetch = fetch  # type: ignore[method-assign]
+    plan = plan_shards(llama, TP).ranks[1]
+    destinations = [torch.empty(s.nbytes, dtype=torch.uint8) for s in plan.shards]
+    with pytest.raises(PeerUnavailable, match=r"model\.norm\.weight"):
+        receive_shards(plan, peer, destinations)
+    assert closed == [True]
+
+
+# --- no peer -----------------------------------------------------------------------------
+
+
+def test_peer_without_a_source_falls_back_to_storage_with_the_reason(llama: Path) -> None:
+    expected, _ = _storage(llama)
+    tensors, report = load_rank(llama, 1, TP, "peer")
+    _assert_equal(tensors, expected)
+    assert report.method.selected is LoadMethod.SCRATCH
+    assert report.method.fallback_reason == (
+        "no replica holding this checkpoint (same identity and plan) was found; read from storage"
+    )
+
+
+def test_peer_without_a_source_under_strict_raises(llama: Path) -> None:
+    with pytest.raises(MethodUnavailableError, match="no replica holding this checkpoint"):
+        load_rank(llama, 1, TP, "peer", strict=True)
+
+
+def test_reload_with_method_peer_reads_storage_and_says_so(llama: Path) -> None:
+    tensors, _ = _storage(llama)
+    resident = {name: torch.zeros_like(t) for name, t in tensors.items()}
+    report = reload_rank(llama, 1, TP, resident, "peer")
+    _assert_equal(resident, tensors)
+    assert report.method.selected is LoadMethod.SCRATCH
+    assert "no replica holding this checkpoint" in (report.method.fallback_reason or "")
+
+
+# --- accounting --------------------------------------------------------------------------
+
+
+def test_report_json_span_attributes_and_metrics_count_peer_bytes(llama: Path) -> None:
+    _, from_peer = load_rank(llama, 0, TP, "peer", peer=_holder(llama, 0))
+    _, from_storage = _storage(llama, 1)
+    entry = from_peer.to_dict()
+    assert entry["bytes_from_peers"] == from_peer.bytes_from_peers > 0
+    assert entry["bytes_from_storage"] == entry["bytes_read"] == 0
+    assert entry["source"] == from_peer.source
+    attributes = report_attributes(from_peer)
+    assert attributes["bytes_from_peers"] == from_peer.bytes_from_peers
+    assert attributes["bytes_from_storage"] == 0
+    assert attributes["source"] == from_peer.source
+
+    metrics = startup_metrics(
+        [from_peer, from_storage], placement_seconds=0.0, actor_startup_seconds={}
+    )
+    rank0, rank1 = metrics["ranks"]
+    assert (rank0["bytes_from_peers"], rank0["bytes_from_storage"]) == (
+        from_peer.bytes_from_peers,
+        0,
+    )
+    assert rank1["bytes_from_storage"] == from_storage.bytes_read
+    aggregate = metrics["aggregate"]
+    assert aggregate["bytes_from_peers"]["total"] == from_peer.bytes_from_peers
+    assert aggregate["bytes_from_storage"]["total"] == from_storage.bytes_read
+    assert aggregate["bytes_from_peers"]["slowest_rank"] is None
+    assert metrics["method"] == "peer,scratch"
