@@ -1,0 +1,108 @@
+"""What makes two ranks' shards the same bytes, whatever their paths: the key under
+which a replica offers its shards to others (the ``peer`` method).
+
+Two loads may share shards exactly when they load the same checkpoint content with the
+same plan. Paths say nothing about content (a copy elsewhere is the same checkpoint; a
+checkpoint rewritten in place is not), so :func:`checkpoint_identity` hashes what the
+files say about themselves, cheaply: headers only, no tensor data.
+
+* Hugging Face layouts: each file's path in the checkpoint, size and the SHA-256 of its
+  header bytes (the 8-byte length and the JSON header, which hold every tensor's name,
+  dtype, shape and offsets, and the metadata). A tensor's values are not hashed: a
+  checkpoint whose data changed under an unchanged header keeps its identity.
+* Converted layout: the manifest's tp size and each file's size and CRC-32 (which
+  ``rayload convert`` computed over the whole file, data included).
+
+:func:`plan_identity` hashes the plan (tp size, expert parallel, every rank's shards);
+:func:`peer_key` joins both into one short key, ``ckpt-<12 hex>.plan-<12 hex>``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from rayload.errors import CheckpointError
+from rayload.loading.checkpoint import Checkpoint
+from rayload.loading.plan import ShardPlan
+
+_DIGITS = 12
+"""Hex digits of each half of a peer key (48 bits each: collisions are not a concern for
+the handful of checkpoints a cluster holds)."""
+
+
+def checkpoint_identity(checkpoint: Checkpoint) -> str:
+    """The SHA-256 (hex) of the checkpoint's content as its headers (or, converted, its
+    manifest) describe it; the same for a copy at another path. Reads only headers;
+    CheckpointError naming the file when one cannot be read."""
+    if checkpoint.layout == "converted":
+        manifest = checkpoint.manifest
+        assert manifest is not None, "a converted checkpoint has its manifest"
+        entries = {
+            name: {"size": entry.size, "crc32": entry.crc32}
+            for name, entry in sorted(manifest.files.items())
+        }
+        return _sha256({"layout": "converted", "tp_size": manifest.tp_size, "files": entries})
+    files = {
+        _relative(checkpoint.root, path): {
+            "size": os.path.getsize(path),
+            "header_sha256": _header_sha256(path),
+        }
+        for path in checkpoint.files
+    }
+    return _sha256({"layout": "hf", "files": dict(sorted(files.items()))})
+
+
+def plan_identity(plan: ShardPlan) -> str:
+    """The SHA-256 (hex) of the plan: tp size, expert parallel and every rank's shards
+    (name, dtype, full and shard shape, split, pieces), in order. File paths and offsets
+    are left out: they follow from the checkpoint, not the plan."""
+    ranks = [
+        [
+            [
+                s.name,
+                s.dtype,
+                list(s.full_shape),
+                list(s.shape),
+                s.split,
+                [list(p) for p in s.pieces],
+            ]
+            for s in rank.shards
+        ]
+        for rank in plan.ranks
+    ]
+    return _sha256(
+        {"tp_size": plan.tp_size, "expert_parallel": plan.expert_parallel, "ranks": ranks}
+    )
+
+
+def peer_key(checkpoint: Checkpoint, plan: ShardPlan) -> str:
+    """``ckpt-<12 hex>.plan-<12 hex>``: ranks with the same key hold the same shard bytes."""
+    return f"ckpt-{checkpoint_identity(checkpoint)[:_DIGITS]}.plan-{plan_identity(plan)[:_DIGITS]}"
+
+
+def _sha256(value: object) -> str:
+    """SHA-256 (hex) of ``value`` as canonical JSON."""
+    return hashlib.sha256(
+        json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+
+
+def _relative(root: str, path: str) -> str:
+    return os.path.relpath(path, root).replace(os.sep, "/")
+
+
+def _header_sha256(path: str) -> str:
+    """SHA-256 of the 8-byte header length and the JSON header of ``path``."""
+    try:
+        with open(path, "rb") as file:
+            prefix = file.read(8)
+            header = file.read(int.from_bytes(prefix, "little")) if len(prefix) == 8 else b""
+    except OSError as exc:
+        raise CheckpointError(
+            f"{path}: cannot read its header ({exc.strerror or exc}); check that the "
+            "checkpoint is still there and readable",
+            file=path,
+        ) from exc
+    return hashlib.sha256(prefix + header).hexdigest()
