@@ -258,3 +258,19 @@ def test_report_json_span_attributes_and_metrics_count_peer_bytes(llama: Path) -
     assert aggregate["bytes_from_storage"]["total"] == from_storage.bytes_read
     assert aggregate["bytes_from_peers"]["slowest_rank"] is None
     assert metrics["method"] == "peer,scratch"
+
+
+# --- GPU ---------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_peer_load_onto_cuda_is_bit_identical_to_storage(mixed_dtype_checkpoint: Path) -> None:
+    path = mixed_dtype_checkpoint
+    expected, _ = load_rank(path, 1, TP, "scratch", "cuda")
+    tensors, report = load_rank(path, 1, TP, "peer", "cuda", peer=_holder(path))
+    assert report.method.effective is LoadMethod.PEER and report.device == "cuda:0"
+    assert all(t.device == torch.device("cuda", 0) for t in tensors.values())
+    _assert_equal(tensors, expected)
+    _, fell_back = load_rank(path, 1, TP, "peer", "cuda", peer=_holder(path, fail_after=1))
+    assert fell_back.method.effective is not LoadMethod.PEER
