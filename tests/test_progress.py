@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import io
 
 from rayload.cli_output import LineProgress, format_rank_table
@@ -64,11 +65,17 @@ def test_format_rank_table_has_one_aligned_row_per_rank() -> None:
     lines = format_rank_table([_report(1), _report(0)]).splitlines()
     assert lines[0].split() == [
         "rank", "node", "device", "requested", "selected", "effective", "fallback",
-        "bytes", "seconds",
+        "bytes", "peer_bytes", "seconds",
     ]  # fmt: skip
     assert [line.split()[:2] for line in lines[1:]] == [["0", "0" * 8], ["1", "1" * 8]]
-    assert lines[1].split()[-3:] == ["3.00", "MiB", "1.500"]
+    assert lines[1].split()[-4:] == ["3.00", "MiB", "-", "1.500"]
     assert all(line.index("cpu") == lines[0].index("device") for line in lines[1:])
+
+
+def test_format_rank_table_shows_bytes_from_peers() -> None:
+    from_peer = dataclasses.replace(_report(0), bytes_read=0, bytes_from_peers=2 * 1024 * 1024)
+    row = format_rank_table([from_peer]).splitlines()[1].split()
+    assert row[-5:] == ["0", "B", "2.00", "MiB", "1.500"]
 
 
 def test_line_progress_prints_one_line_per_event_without_carriage_returns() -> None:

@@ -41,7 +41,8 @@ class LineProgress:
 
 def format_rank_table(reports: Sequence[RankReport]) -> str:
     """The per-rank summary: rank, node, device, method requested/selected/effective,
-    fallback, bytes, seconds; one row per rank."""
+    fallback, bytes (read from storage), peer_bytes (copied from another replica, ``-``
+    when none), seconds; one row per rank."""
     header = [
         "rank",
         "node",
@@ -51,6 +52,7 @@ def format_rank_table(reports: Sequence[RankReport]) -> str:
         "effective",
         "fallback",
         "bytes",
+        "peer_bytes",
         "seconds",
     ]
     rows = [header]
@@ -65,6 +67,7 @@ def format_rank_table(reports: Sequence[RankReport]) -> str:
                 r.method.effective.value,
                 r.method.fallback_reason or "-",
                 human_bytes(r.bytes_read),
+                human_bytes(r.bytes_from_peers) if r.bytes_from_peers else "-",
                 f"{r.seconds:.3f}",
             ]
         )
