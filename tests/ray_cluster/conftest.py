@@ -19,7 +19,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -27,6 +27,8 @@ from typing import Any
 import pytest
 import ray
 from ray.util.state import list_actors
+
+from rayload.actors.directory import DIRECTORY_NAME
 
 FAKE_GPUS = 4
 
@@ -101,7 +103,9 @@ class ClusterState:
         )
         groups = ray.util.placement_group_table()
         return cls(
-            actors=frozenset(a.actor_id for a in alive),
+            # The peer directory is the one actor meant to outlive loads (until
+            # `rayload directory --stop`); tests/ray_cluster/test_peers.py checks it.
+            actors=frozenset(a.actor_id for a in alive if a.name != DIRECTORY_NAME),
             groups=frozenset(g for g, info in groups.items() if info["state"] == "CREATED"),
         )
 
@@ -134,6 +138,7 @@ class SpanView:
     start_ns: int
     end_ns: int
     attributes: dict[str, Any]
+    resource: dict[str, Any] = field(default_factory=dict)
 
 
 def _otlp_value(value: dict[str, Any]) -> Any:
@@ -146,6 +151,10 @@ def read_trace(trace_dir: Path) -> list[SpanView]:
     data = json.loads((trace_dir / "trace.otlp.json").read_text())
     views = []
     for resource_spans in data["resourceSpans"]:
+        resource = {
+            a["key"]: _otlp_value(a["value"])
+            for a in resource_spans.get("resource", {}).get("attributes", [])
+        }
         for scope in resource_spans["scopeSpans"]:
             for span in scope["spans"]:
                 attrs = {a["key"]: _otlp_value(a["value"]) for a in span.get("attributes", [])}
@@ -157,6 +166,7 @@ def read_trace(trace_dir: Path) -> list[SpanView]:
                         start_ns=int(span["startTimeUnixNano"]),
                         end_ns=int(span["endTimeUnixNano"]),
                         attributes=attrs,
+                        resource=resource,
                     )
                 )
     return views

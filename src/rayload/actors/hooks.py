@@ -17,6 +17,10 @@ A fault triggers when the named phase starts:
 for a rank whose node lacks fastsafetensors: ranks that resolve differently, as on a
 cluster of unlike nodes.
 
+``peer_pause_s`` pauses a rank's peer transfer after its first chunk, e.g. ``{"0": 5}``,
+so a test can stop the holder mid-transfer; ``peer_chunk_bytes`` makes the loaded ranks
+export their shards in chunks of that many bytes (several chunks from a small checkpoint).
+
 Besides the load phases (``rank.resolve`` ... ``rank.post_load``), ``phase`` may be
 ``actor.init``: the fault then fires in the actor's ``__init__`` (a rank that never starts).
 
@@ -75,6 +79,8 @@ class TestHooks(BaseModel):
     fault: FaultInjection | None = None
     clock_skew_ns: dict[int, int] = {}
     probe_overrides: dict[int, dict[str, Any]] = {}
+    peer_pause_s: dict[int, float] = {}
+    peer_chunk_bytes: int | None = None
 
     @field_validator("probe_overrides")
     @classmethod

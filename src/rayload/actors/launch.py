@@ -29,17 +29,26 @@ from rayload.tracing.spawn_spans import SpawnPhase, SpawnTimes, spawn_phases
 
 
 def spawn_ranks(
-    trace: StartupTrace, group: RankActorGroup, *, deadline: float, timeout: float
+    trace: StartupTrace, groups: Sequence[RankActorGroup], *, deadline: float, timeout: float
 ) -> None:
-    """Start every rank's actor, measure the clock offsets, record ``rayload.spawn`` (with
-    its phases) and ``rayload.clock_sync``."""
+    """Start every rank actor of every replica's group at once, measure their clock
+    offsets, record ``rayload.spawn`` (with its phases) and ``rayload.clock_sync``; a
+    failure stops every group."""
     since_ns = time.time_ns()
-    failure = group.spawn(deadline=deadline)
-    if failure is None:
-        failure = group.measure_clocks(deadline=deadline)
-    _record_spawns(trace, group)
-    if failure is not None:
-        _fail(trace, group, failure, answered=(), since_ns=since_ns, timeout=timeout)
+    started = [group.start() for group in groups]
+    failed: tuple[RankActorGroup, RankFailure] | None = None
+    for group, waiting in zip(groups, started, strict=True):
+        failure = group.wait_started(waiting, deadline=deadline)
+        if failure is None:
+            failure = group.measure_clocks(deadline=deadline)
+        if failure is not None:
+            failed = group, failure
+            break
+    for index, group in enumerate(groups):
+        _record_spawns(trace, group, replica=index if len(groups) > 1 else None)
+    if failed is not None:
+        group, failure = failed
+        _fail(trace, group, failure, answered=(), since_ns=since_ns, timeout=timeout, others=groups)
 
 
 def plan_process_group(
@@ -75,29 +84,36 @@ def plan_process_group(
 
 def load_ranks(
     trace: StartupTrace,
-    group: RankActorGroup,
-    request: LoadRequest,
+    groups: Sequence[RankActorGroup],
+    requests: Sequence[LoadRequest],
     *,
     deadline: float,
     timeout: float,
     progress: ProgressCallback | None,
-) -> list[RankReport]:
-    """Load every rank, merge their spans into the trace, return the reports by rank."""
-    notify = _rank_notifier(progress, group.tp_size)
-    finished = group.load(request, deadline=deadline, on_rank_done=notify)
-    for outcome in finished.outcomes.values():
-        trace.add_rank(outcome.spans, *group.clock_offsets.get(outcome.rank, (0, None)))
-    if finished.failure is not None:
-        _fail(
-            trace,
-            group,
-            finished.failure,
-            answered=finished.outcomes.keys(),
-            since_ns=finished.dispatch_ns,
-            timeout=timeout,
-        )
-    reports = [finished.outcomes[rank].report for rank in range(group.tp_size)]
-    return [report for report in reports if report is not None]
+) -> list[list[RankReport]]:
+    """Load every rank of every replica at once (``requests[i]`` for ``groups[i]``), merge
+    their spans into the trace, return each replica's reports by rank. A failed rank
+    stops every group: a load is all its replicas or nothing."""
+    notify = _rank_notifier(progress, sum(group.tp_size for group in groups))
+    started = [group.start_load(r) for group, r in zip(groups, requests, strict=True)]
+    replicas = []
+    for group, dispatched in zip(groups, started, strict=True):
+        finished = group.finish_load(dispatched, deadline=deadline, on_rank_done=notify)
+        for outcome in finished.outcomes.values():
+            trace.add_rank(outcome.spans, *group.clock_offsets.get(outcome.rank, (0, None)))
+        if finished.failure is not None:
+            _fail(
+                trace,
+                group,
+                finished.failure,
+                answered=finished.outcomes.keys(),
+                since_ns=finished.dispatch_ns,
+                timeout=timeout,
+                others=groups,
+            )
+        reports = [finished.outcomes[rank].report for rank in range(group.tp_size)]
+        replicas.append([report for report in reports if report is not None])
+    return replicas
 
 
 def reload_ranks(
@@ -155,10 +171,12 @@ def _reload_error(
 _SHOWN_TENSORS = 5
 
 
-def _record_spawns(trace: StartupTrace, group: RankActorGroup) -> None:
+def _record_spawns(trace: StartupTrace, group: RankActorGroup, *, replica: int | None) -> None:
     """One ``rayload.spawn`` span per rank that came up, with the phases of its start-up
     as children (:func:`~rayload.tracing.spawn_spans.spawn_phases`), then one
-    ``rayload.clock_sync`` per rank whose clock was measured."""
+    ``rayload.clock_sync`` per rank whose clock was measured (``replica``: which replica
+    of a load with several)."""
+    extra = {} if replica is None else {"replica": replica}
     for rank, info in sorted(group.infos.items()):
         start, end = group.spawn_interval(rank)
         offset = group.clock_offsets.get(rank, (0, 0))[0]
@@ -168,6 +186,7 @@ def _record_spawns(trace: StartupTrace, group: RankActorGroup) -> None:
             "pid": info.pid,
             "gpu_ids": ",".join(info.gpu_ids),
             "cuda_context_skipped": info.cuda_skipped,
+            **extra,
         }
         if info.process_start_ns is not None:
             attributes["process_age_ms"] = (start - (info.process_start_ns - offset)) / 1e6
@@ -183,6 +202,7 @@ def _record_spawns(trace: StartupTrace, group: RankActorGroup) -> None:
             max(t_recv for _, _, t_recv in samples),
             {
                 "rank": rank,
+                **extra,
                 "rounds": len(samples),
                 "clock_offset_ms": offset_ns / 1e6,
                 "clock_rtt_ms": rtt_ns / 1e6,
@@ -233,16 +253,19 @@ def _fail(
     answered: Collection[int],
     since_ns: int,
     timeout: float,
+    others: Sequence[RankActorGroup] = (),
 ) -> NoReturn:
-    """Stop every rank, give each rank that sent no spans a stand-in ERROR span, and raise
-    the error naming the failed rank (the caller writes the trace)."""
+    """Stop every rank (of ``group`` and ``others``), give each rank of ``group`` that sent
+    no spans a stand-in ERROR span, and raise the error naming the failed rank (the caller
+    writes the trace)."""
     now = time.time_ns()
     for rank in range(group.tp_size):
         if rank in answered:
             continue
         cause = failure.cause if rank == failure.rank else f"stopped: rank {failure.rank} failed"
         trace.add_missing_rank(rank, group.node_id(rank), cause, since_ns, now)
-    group.kill()
+    for other in (group, *others):
+        other.kill()
     raise failure_error(failure, timeout_s=timeout)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayload.actors.peers import PeerRef
 from rayload.actors.process_group import ProcessGroupSpec
 from rayload.errors import InputError
 from rayload.loading.model import ModelFactory, no_phase
@@ -21,7 +22,13 @@ from rayload.loading.report import RankReport
 
 @dataclass(frozen=True)
 class LoadRequest:
-    """What every rank is asked to load; the same for all ranks of one load."""
+    """What every rank of one replica is asked to load.
+
+    ``replica`` is the replica's id (its entry in the peer directory), ``replica_index``
+    its place in a load of several (None with one: the trace's lanes); ``peers[r]`` is
+    where rank ``r`` gets its shards from (None, or no entry: storage), and
+    ``peer_wait_s`` how long it may wait for a holder that is still loading.
+    """
 
     path: str
     tp_size: int
@@ -35,6 +42,10 @@ class LoadRequest:
     model: ModelFactory | None = None
     model_config: Mapping[str, Any] | None = None
     expert_parallel: bool = False
+    replica: str = ""
+    replica_index: int | None = None
+    peers: tuple[PeerRef | None, ...] = ()
+    peer_wait_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -126,7 +137,8 @@ class RankState:
     """What a function passed to ``LoadResult.apply`` receives on each rank: the rank's
     resident tensors and where they live. ``tensors`` is the live dict, not a copy.
 
-    ``model`` is the module the load's ``model=`` factory built and filled (None without
+    ``replica`` is the rank's replica in a load of several (0 with one). ``model`` is the
+    module the load's ``model=`` factory built and filled (None without
     one); ``process_group`` the load's ``torch.distributed`` group (None without one);
     ``with state.phase("warmup"):`` records the engine phase ``engine.warmup`` of this rank
     into the load's trace (see ``LoadResult.write_trace``).
@@ -137,6 +149,7 @@ class RankState:
     device: str
     tensors: dict[str, Any]
     report: RankReport
+    replica: int = 0
     model: Any = None
     process_group: Any = None
     phase: Callable[..., Any] = field(default=no_phase, repr=False, compare=False)

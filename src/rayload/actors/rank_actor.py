@@ -42,6 +42,7 @@ from rayload.actors.messages import (
     RankSetup,
     RankState,
 )
+from rayload.actors.peers import PEER_GROUP, PeerExport, RayPeerSource, ShardExport
 from rayload.actors.process_group import free_port, join_process_group, leave_process_group
 from rayload.import_clock import IMPORT_START_NS, TORCH_IMPORTED_NS
 from rayload.loading import load_rank
@@ -76,10 +77,17 @@ log = logging.getLogger(__name__)
 class RankActor:
     """Rank ``rank``'s actor.
 
-    ``clock_skew_ns``, ``fault`` and ``probe_overrides`` are TEST HOOKS: the first shifts
-    every time the actor reports (phases, spans, :meth:`clock`) to model another node's
-    clock; the second makes this rank fail on purpose; the third changes what this rank's
-    environment probe reports (see :mod:`rayload.actors.hooks`).
+    ``clock_skew_ns``, ``fault``, ``probe_overrides``, ``peer_pause_s`` and
+    ``peer_chunk_bytes`` are TEST HOOKS: the first shifts every time the actor reports
+    (phases, spans, :meth:`clock`) to model another node's clock; the second makes this
+    rank fail on purpose; the third changes what this rank's environment probe reports;
+    the fourth pauses a peer transfer after its first chunk; the fifth sets the size of
+    this rank's export chunks (see :mod:`rayload.actors.hooks`).
+
+    Once loaded, the rank is a *holder* for other replicas: :meth:`export`,
+    :meth:`release_export` and :meth:`peer_ping` run in the actor's ``peer`` concurrency
+    group, so they answer while the main thread loads or runs engine code
+    (:mod:`rayload.actors.peers`).
     """
 
     def __init__(
@@ -89,8 +97,13 @@ class RankActor:
         clock_skew_ns: int = 0,
         fault: FaultInjection | None = None,
         probe_overrides: dict[str, Any] | None = None,
+        peer_pause_s: float = 0.0,
+        peer_chunk_bytes: int | None = None,
     ) -> None:
         self._skew_ns = clock_skew_ns
+        self._peer_pause_s = peer_pause_s
+        self._shards = ShardExport(chunk_bytes=peer_chunk_bytes)
+        self._replica = ""
         self._probe_overrides = probe_overrides
         init_start_ns = self.clock()
         if fault is not None and fault.phase == INIT_PHASE:
@@ -179,6 +192,9 @@ class RankActor:
         report: RankReport | None = None
         error: RankError | None = None
         self._request = request
+        self._replica = request.replica
+        self._shards.loading()
+        rchar = read_chars()
         try:
             device = self._device(request.device)
             if request.process_group is not None:
@@ -198,14 +214,40 @@ class RankActor:
                 timer=timer,
                 post_load=self._model_builder(request, device, timer),
                 expert_parallel=request.expert_parallel,
+                peer=self._peer_source(request),
             )
             report = _with_node(report, self._node_id)
             self._report = report
+            self._shards.loaded(self._tensors)
         except Exception as exc:
             log.exception("rank %d failed to load %s", self._rank, request.path)
             error = RankError.from_exception(exc)
             self._tensors, self._model = {}, None
-        return self._outcome(request, timer, start_ns, report, error)
+            self._shards.failed(error.describe())
+        return self._outcome(request, timer, start_ns, report, error, rchar=rchar)
+
+    def _peer_source(self, request: LoadRequest) -> RayPeerSource | None:
+        """The rank of another replica this rank is to load from (None: storage)."""
+        ref = request.peers[self._rank] if self._rank < len(request.peers) else None
+        if ref is None:
+            return None
+        return RayPeerSource(ref, wait_s=request.peer_wait_s, pause_s=self._peer_pause_s)
+
+    @ray.method(concurrency_group=PEER_GROUP)
+    def export(self, wait_s: float) -> PeerExport:
+        """This rank's shards in Ray's object store, for the same rank of another replica
+        (waits at most ``wait_s`` for a load still running; raises when it failed)."""
+        return self._shards.export(self._replica, self._rank, self._node_id, wait_s)
+
+    @ray.method(concurrency_group=PEER_GROUP)
+    def release_export(self) -> None:
+        """A receiver is done with :meth:`export`'s objects."""
+        self._shards.release()
+
+    @ray.method(concurrency_group=PEER_GROUP)
+    def peer_ping(self) -> int:
+        """Alive (answers even while loading); how many exports this rank has served."""
+        return self._shards.served
 
     def _outcome(
         self,
@@ -216,9 +258,13 @@ class RankActor:
         error: RankError | None,
         *,
         overwritten: set[str] | None = None,
+        rchar: int | None = None,
     ) -> RankOutcome:
-        """The load's (or reload's) outcome, with this rank's spans."""
+        """The load's (or reload's) outcome, with this rank's spans. ``rchar``: this
+        process's ``read_chars()`` when the load began (``rayload.io.rchar`` is what the
+        load read through ``read()`` calls: files, and Ray's small messages)."""
         end_ns = self.clock()
+        rchar_now = read_chars()
         if report is not None:
             attributes = report_attributes(report)
             # rank.load also covers joining the process group, before the report starts.
@@ -227,6 +273,10 @@ class RankActor:
             attributes = {"node_id": self._node_id, "model_role": request.model_role}
         if overwritten is not None:
             attributes["reload.overwritten_tensors"] = len(overwritten)
+        if request.replica:
+            attributes["replica_id"] = request.replica
+        if rchar is not None and rchar_now is not None:
+            attributes["io.rchar"] = rchar_now - rchar
         spans = rank_spans_payload(
             traceparent=request.traceparent,
             rank=self._rank,
@@ -237,6 +287,7 @@ class RankActor:
             attributes=attributes,
             error=error.describe() if error else None,
             host_name=self._host_name,
+            replica=request.replica_index,
         )
         return RankOutcome(
             rank=self._rank,
@@ -261,6 +312,8 @@ class RankActor:
         report: RankReport | None = None
         error: RankError | None = None
         written: set[str] = set()
+        self._shards.loading()
+        rchar = read_chars()
         try:
             if self._report is None:
                 raise RuntimeError(f"rank {self._rank} has no loaded weights to reload into")
@@ -282,10 +335,15 @@ class RankActor:
             report = _with_node(report, self._node_id)
             self._report = report
             self._request = replace(self._request or request, path=request.path)
+            self._shards.loaded(self._tensors)
         except Exception as exc:
             log.exception("rank %d failed to reload %s", self._rank, request.path)
             error = RankError.from_exception(exc)
-        return self._outcome(request, timer, start_ns, report, error, overwritten=written)
+            # Some tensors may hold new bytes and some old: never served to a peer.
+            self._shards.failed(f"its reload failed: {error.describe()}")
+        return self._outcome(
+            request, timer, start_ns, report, error, overwritten=written, rchar=rchar
+        )
 
     def shutdown(self, timeout_s: float) -> bool:
         """Leave the load's process group (best effort, at most ``timeout_s``) and drop the
@@ -314,6 +372,7 @@ class RankActor:
             device=self._report.device,
             tensors=self._tensors,
             report=self._report,
+            replica=(self._request.replica_index if self._request else None) or 0,
             model=self._model,
             process_group=self._process_group,
             phase=engine_phases(self._engine_timer),
@@ -342,6 +401,7 @@ class RankActor:
                 "model_role": self._report.model_role,
             },
             host_name=self._host_name,
+            replica=self._request.replica_index,
         )
 
     def _device(self, requested: str) -> str:
@@ -403,6 +463,17 @@ def process_start_ns() -> int | None:
     except ImportError:
         return None
     return int(psutil.Process().create_time() * 1e9)
+
+
+def read_chars() -> int | None:
+    """Bytes this process has read through ``read()``-family calls so far (``rchar`` of
+    ``/proc/self/io``: files, pipes and sockets alike, page cache or not); None where the
+    kernel does not say (not Linux)."""
+    try:
+        with open("/proc/self/io", encoding="ascii") as io:
+            return next(int(line.split()[1]) for line in io if line.startswith("rchar:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def _cuda_device_count() -> int:

@@ -24,6 +24,7 @@ from ray.exceptions import RayActorError, RayError
 from rayload import cluster
 from rayload.actors.hooks import TestHooks
 from rayload.actors.messages import ActorInfo, LoadRequest, RankOutcome, RankSetup
+from rayload.actors.peers import PEER_CONCURRENCY, PEER_GROUP
 from rayload.actors.rank_actor import RankActor
 from rayload.errors import (
     ClusterLostError,
@@ -37,7 +38,9 @@ from rayload.tracing.clock import ClockSample, best_clock_offset
 
 log = logging.getLogger(__name__)
 
-_RemoteRankActor: Any = ray.remote(RankActor)
+_RemoteRankActor: Any = ray.remote(concurrency_groups={PEER_GROUP: PEER_CONCURRENCY})(  # type: ignore[call-overload]
+    RankActor
+)
 
 CLOCK_ROUNDS = 5
 """Clock-offset round trips per rank; the one with the smallest round trip is kept."""
@@ -102,6 +105,11 @@ class RankActorGroup:
     def spawn(self, *, deadline: float) -> RankFailure | None:
         """Start every rank's actor in its bundle, all at once, and wait until each is
         ready (or one fails, or ``deadline``, a ``time.monotonic()`` value, passes)."""
+        return self.wait_started(self.start(), deadline=deadline)
+
+    def start(self) -> dict[Any, int]:
+        """Start every rank's actor without waiting; the refs of their ``ready`` calls,
+        for :meth:`wait_started` (several groups then start at once)."""
         self.placed_nodes = self.placement.node_ids()
         waiting: dict[Any, int] = {}
         for rank in range(self.tp_size):
@@ -118,9 +126,15 @@ class RankActorGroup:
                 clock_skew_ns=self.hooks.clock_skew_ns.get(rank, 0),
                 fault=self.hooks.fault_for(rank),
                 probe_overrides=self.hooks.probe_overrides.get(rank),
+                peer_pause_s=self.hooks.peer_pause_s.get(rank, 0.0),
+                peer_chunk_bytes=self.hooks.peer_chunk_bytes,
             )
             self.actors.append(actor)
             waiting[actor.ready.remote()] = rank
+        return waiting
+
+    def wait_started(self, waiting: dict[Any, int], *, deadline: float) -> RankFailure | None:
+        """Wait for the actors :meth:`start` started (see :meth:`spawn`)."""
 
         def on_ready(rank: int, info: ActorInfo) -> None:
             self.infos[rank] = info
@@ -187,10 +201,27 @@ class RankActorGroup:
         on_rank_done: Callable[[RankOutcome], None] | None = None,
     ) -> GroupLoad:
         """Load every rank in parallel; stop at the first failure or at ``deadline``."""
+        return self.finish_load(
+            self.start_load(request), deadline=deadline, on_rank_done=on_rank_done
+        )
+
+    def start_load(self, request: LoadRequest) -> tuple[dict[Any, int], int]:
+        """Dispatch every rank's load without waiting (several groups then load at once):
+        the refs to wait for and when they were dispatched, for :meth:`finish_load`."""
         dispatch_ns = time.time_ns()
-        waiting: dict[Any, int] = {
+        return {
             actor.load.remote(request): rank for rank, actor in enumerate(self.actors)
-        }
+        }, dispatch_ns
+
+    def finish_load(
+        self,
+        started: tuple[dict[Any, int], int],
+        *,
+        deadline: float,
+        on_rank_done: Callable[[RankOutcome], None] | None = None,
+    ) -> GroupLoad:
+        """Wait for the loads :meth:`start_load` dispatched (see :meth:`load`)."""
+        waiting, dispatch_ns = started
         outcomes: dict[int, RankOutcome] = {}
 
         def on_outcome(rank: int, outcome: RankOutcome) -> RankFailure | None:

@@ -42,6 +42,7 @@ def rank_spans_payload(
     attributes: Mapping[str, Any],
     error: str | None = None,
     host_name: str | None = None,
+    replica: int | None = None,
 ) -> bytes:
     """A rank's spans as OTLP protobuf bytes (a serialized ``ExportTraceServiceRequest``).
 
@@ -57,7 +58,7 @@ def rank_spans_payload(
     silently started a new trace would be lost from the startup trace.
     """
     parent = parse_traceparent(traceparent)
-    provider, finished = _rank_provider(rank, host_name)
+    provider, finished = _rank_provider(rank, host_name, replica)
     try:
         tracer = provider.get_tracer(schema.SCOPE_NAME)
         rank_error = error or next((p.error for p in phases if p.error), None)
@@ -96,13 +97,14 @@ def engine_spans_payload(
     phases: Sequence[PhaseRecord],
     attributes: Mapping[str, Any],
     host_name: str | None = None,
+    replica: int | None = None,
 ) -> bytes:
     """A rank's engine phases (``engine.<name>``, recorded after its load, e.g. in
     ``LoadResult.apply``) as OTLP protobuf bytes: each a child of the span ``traceparent``
     names (the load's root), with the rank's resource and ``attributes`` (node, device).
     Times are this process's wall clock, as for :func:`rank_spans_payload`."""
     parent = parse_traceparent(traceparent)
-    provider, finished = _rank_provider(rank, host_name)
+    provider, finished = _rank_provider(rank, host_name, replica)
     try:
         tracer = provider.get_tracer(schema.SCOPE_NAME)
         for phase in phases:
@@ -126,15 +128,19 @@ def engine_spans_payload(
     return encode_spans(spans).SerializeToString()
 
 
-def _rank_provider(rank: int, host_name: str | None) -> tuple[TracerProvider, InMemorySpanExporter]:
-    """A short-lived provider with the rank's resource, collecting spans in memory."""
-    resource = Resource.create(
-        {
-            "service.name": schema.RANK_SERVICE,
-            "host.name": host_name or socket.gethostname(),
-            schema.RANK: rank,
-        }
-    )
+def _rank_provider(
+    rank: int, host_name: str | None, replica: int | None = None
+) -> tuple[TracerProvider, InMemorySpanExporter]:
+    """A short-lived provider with the rank's resource (``replica``: its replica, in a
+    load of several), collecting spans in memory."""
+    attributes: dict[str, Any] = {
+        "service.name": schema.RANK_SERVICE,
+        "host.name": host_name or socket.gethostname(),
+        schema.RANK: rank,
+    }
+    if replica is not None:
+        attributes[schema.REPLICA] = replica
+    resource = Resource.create(attributes)
     provider = TracerProvider(
         resource=resource,
         id_generator=SecureIdGenerator(),

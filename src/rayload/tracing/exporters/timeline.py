@@ -46,6 +46,7 @@ class Process:
     host: str
     node_id: str | None
     spans: tuple[Placed, ...]
+    replica: int | None = None
 
     def attribute(self, key: str) -> object:
         """``key`` from this process's ``rank.load`` (or root) span, None if absent."""
@@ -63,12 +64,13 @@ class Process:
 
 
 def group_processes(spans: Sequence[ReadableSpan]) -> list[Process]:
-    """The driver first, then ranks in order; each with its spans placed on lanes."""
+    """The driver first, then ranks in order (by replica, then rank, in a load of several
+    replicas); each with its spans placed on lanes."""
     groups: dict[Hashable, list[ReadableSpan]] = {}
     for span in spans:
         groups.setdefault(_process_key(span), []).append(span)
     processes = [_process(members) for members in groups.values()]
-    return sorted(processes, key=lambda p: (p.rank is not None, p.rank or 0, p.key))
+    return sorted(processes, key=lambda p: (p.rank is not None, p.replica or 0, p.rank or 0, p.key))
 
 
 def place_on_lanes(spans: Sequence[ReadableSpan]) -> list[Placed]:
@@ -119,7 +121,7 @@ def _ancestors(span_id: int, parents: dict[int, int]) -> set[int]:
 def _process_key(span: ReadableSpan) -> Hashable:
     rank = span.resource.attributes.get(schema.RANK)
     if rank is not None:
-        return ("rank", rank)
+        return ("rank", span.resource.attributes.get(schema.REPLICA, 0), rank)
     return ("service", span.resource.attributes.get("service.name"), span.resource)
 
 
@@ -146,11 +148,14 @@ def _process(members: list[ReadableSpan]) -> Process:
         None,
     )
     where = f"node {node_id[:12]}" if node_id else f"host {host}"
+    replica = resource.get(schema.REPLICA)
+    who = f"rank {rank}" if replica is None else f"replica {replica} rank {rank}"
     return Process(
-        key=f"rank-{rank}",
-        label=f"rank {rank} ({where})",
+        key=f"rank-{rank}" if replica is None else f"replica-{replica}-rank-{rank}",
+        label=f"{who} ({where})",
         rank=rank,
         host=host,
         node_id=node_id,
         spans=tuple(place_on_lanes(members)),
+        replica=None if replica is None else int(replica),  # type: ignore[arg-type]
     )
