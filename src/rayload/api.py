@@ -275,12 +275,12 @@ def _claim_replicas(
 
 
 def _spawn_seconds(groups: list[RankActorGroup]) -> dict[int, float]:
-    """``actor_startup_seconds`` by rank; with several replicas, each rank's slowest."""
-    seconds: dict[int, float] = {}
-    for group in groups:
-        for rank, value in spawn_seconds(group).items():
-            seconds[rank] = max(seconds.get(rank, 0.0), value)
-    return seconds
+    """``actor_startup_seconds`` by ``replica * tp_size + rank``."""
+    return {
+        index * group.tp_size + rank: value
+        for index, group in enumerate(groups)
+        for rank, value in spawn_seconds(group).items()
+    }
 
 
 __all__ = [

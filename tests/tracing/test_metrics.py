@@ -95,6 +95,7 @@ def test_per_rank_figures_from_phases() -> None:
     rank0, rank1 = _metrics()["ranks"]
     assert rank0 == {
         "rank": 0,
+        "replica": 0,
         "node_id": "node0",
         "method": "scratch",
         "fallback_reason": None,

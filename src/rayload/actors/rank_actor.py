@@ -216,7 +216,7 @@ class RankActor:
                 expert_parallel=request.expert_parallel,
                 peer=self._peer_source(request),
             )
-            report = _with_node(report, self._node_id)
+            report = _with_node(report, self._node_id, request.replica_index)
             self._report = report
             self._shards.loaded(self._tensors)
         except Exception as exc:
@@ -332,7 +332,7 @@ class RankActor:
                 expert_parallel=request.expert_parallel,
                 written=written,
             )
-            report = _with_node(report, self._node_id)
+            report = _with_node(report, self._node_id, request.replica_index)
             self._report = report
             self._request = replace(self._request or request, path=request.path)
             self._shards.loaded(self._tensors)
@@ -480,5 +480,5 @@ def _cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _with_node(report: RankReport, node_id: str) -> RankReport:
-    return replace(report, node_id=node_id)
+def _with_node(report: RankReport, node_id: str, replica: int | None) -> RankReport:
+    return replace(report, node_id=node_id, replica=replica or 0)

@@ -110,6 +110,14 @@ class RankReport:
     model_role: str = "main"
     bytes_from_peers: int = 0
     source: str = STORAGE_SOURCE
+    replica: int = 0
+
+    @property
+    def label(self) -> str:
+        """``rank 1``, or ``replica 2 rank 1`` for a replica other than the first."""
+        return (
+            f"rank {self.rank}" if self.replica == 0 else f"replica {self.replica} rank {self.rank}"
+        )
 
     @property
     def bytes_from_storage(self) -> int:
@@ -128,6 +136,7 @@ class RankReport:
         """The ``--json`` shape of one rank."""
         return {
             "rank": self.rank,
+            "replica": self.replica,
             "node_id": self.node_id,
             "device": self.device,
             "method": self.method.to_dict(),
@@ -145,11 +154,13 @@ def mixed_method_warnings(reports: Sequence[RankReport]) -> list[str]:
     methods or devices across ranks, or any fallback (shown as requested -> selected ->
     effective, repeats dropped, with the reason). Empty when every rank agrees."""
     warnings: list[str] = []
-    by_method: dict[str, list[int]] = {}
-    by_device: dict[str, list[int]] = {}
+    by_method: dict[str, list[str]] = {}
+    by_device: dict[str, list[str]] = {}
+    several = any(report.replica for report in reports)
     for report in reports:
-        by_method.setdefault(report.method.effective.value, []).append(report.rank)
-        by_device.setdefault(report.device, []).append(report.rank)
+        who = f"{report.replica}.{report.rank}" if several else str(report.rank)
+        by_method.setdefault(report.method.effective.value, []).append(who)
+        by_device.setdefault(report.device, []).append(who)
     if len(by_method) > 1:
         warnings.append(f"ranks loaded with different methods: {_groups(by_method)}")
     if len(by_device) > 1:
@@ -162,10 +173,13 @@ def mixed_method_warnings(reports: Sequence[RankReport]) -> list[str]:
                 if step != chain[-1]:
                     chain.append(step)
             warnings.append(
-                f"rank {report.rank} fell back: {' -> '.join(chain)}: {method.fallback_reason}"
+                f"{report.label} fell back: {' -> '.join(chain)}: {method.fallback_reason}"
             )
     return warnings
 
 
-def _groups(ranks_by_value: dict[str, list[int]]) -> str:
-    return "; ".join(f"{value} on ranks {ranks}" for value, ranks in ranks_by_value.items())
+def _groups(ranks_by_value: dict[str, list[str]]) -> str:
+    """``scratch on ranks [0, 1]; peer on ranks [2]`` (``replica.rank`` with replicas)."""
+    return "; ".join(
+        f"{value} on ranks [{', '.join(ranks)}]" for value, ranks in ranks_by_value.items()
+    )

@@ -98,14 +98,20 @@ def startup_metrics(
 ) -> dict[str, Any]:
     """Per-rank and aggregated startup metrics (shape in the module docstring).
 
-    A rank missing from ``actor_startup_seconds`` reports None there and is left out of
+    ``actor_startup_seconds`` is keyed by rank (``replica * tp_size + rank`` in a load of
+    several replicas). A rank missing from it reports None there and is left out of
     that figure's aggregate. Raises ValueError for no reports.
     """
     if not reports:
         raise ValueError("startup_metrics needs the report of at least one rank")
     ranks = [
-        _rank_metrics(report, placement_seconds, actor_startup_seconds.get(report.rank), model_role)
-        for report in sorted(reports, key=lambda r: r.rank)
+        _rank_metrics(
+            report,
+            placement_seconds,
+            actor_startup_seconds.get(report.replica * report.tp_size + report.rank),
+            model_role,
+        )
+        for report in sorted(reports, key=lambda r: (r.replica, r.rank))
     ]
     method = _joined_methods(ranks)
     aggregate = {
@@ -143,6 +149,7 @@ def _rank_metrics(
     }
     return {
         "rank": report.rank,
+        "replica": report.replica,
         "node_id": report.node_id,
         "method": report.method.effective.value,
         "fallback_reason": report.method.fallback_reason,
@@ -196,11 +203,13 @@ def format_metrics_table(metrics: dict[str, Any]) -> str:
     role = metrics["model_role"]
     header = ["rank", "method", "actor", *_PHASE_COLUMNS, "total", "GB", "peer_GB", "GB/s"]
     rows: list[list[str]] = []
+    several = any(rank.get("replica") for rank in metrics["ranks"])
     for rank in metrics["ranks"]:
         marker = "*" if rank["rank"] == metrics["slowest_rank"] else ""
+        who = f"{rank.get('replica', 0)}.{rank['rank']}" if several else str(rank["rank"])
         rows.append(
             [
-                f"{rank['rank']}{marker}",
+                f"{who}{marker}",
                 rank["method"],
                 _num(rank[metric_key(ACTOR_STARTUP, role)]),
                 *(_num(rank["phases"][name]) for name in PHASES),
