@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import NoReturn, TextIO
 
-from rayload.errors import ClusterLostError, RayloadError
+from rayload.errors import ClusterLostError, ConfigError, RayloadError
 from rayload.options import DEVICES, PROCESS_GROUPS, STRATEGIES
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,8 @@ def _cmd_load(args: argparse.Namespace) -> int:
             otlp_endpoint=args.otlp_endpoint,
             timeout=args.timeout,
             progress=None if args.json else LineProgress(),
+            replicas=args.replicas,
+            peers=not args.no_peers,
         ) as result,
     ):
         print(json.dumps(load_json(result)) if args.json else load_summary(result), file=stdout)
@@ -151,9 +153,115 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_directory(args: argparse.Namespace) -> int:
+    import contextlib
+    import json
+
+    import ray
+
+    from rayload.actors.directory import (
+        DIRECTORY_NAME,
+        NAMESPACE,
+        DirectoryUnavailable,
+        call,
+        directory,
+        stop_directory,
+    )
+    from rayload.cli_output import directory_table
+
+    name = f"{DIRECTORY_NAME} in namespace {NAMESPACE}"
+    stdout = sys.stdout  # as in `load`: Ray's notices go to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        started_ray = _join_cluster(args.address)
+        try:
+            actor = directory(create=False)
+            entries, silent = [], None
+            if actor is not None:
+                try:
+                    entries = call(actor.entries, timeout_s=_DIRECTORY_TIMEOUT_S)
+                except DirectoryUnavailable as exc:
+                    silent = exc
+            stopped = args.stop and actor is not None and stop_directory()
+        finally:
+            if started_ray:
+                ray.shutdown()
+    if silent is not None and not stopped:
+        raise RayloadError(
+            f"the peer directory ({name}) does not answer: {silent}; `rayload directory "
+            "--stop` kills it, and the next load starts a new one"
+        )
+    replicas = [entry.summary() for entry in entries]
+    if args.json:
+        doc: dict[str, object] = {
+            "directory": DIRECTORY_NAME,
+            "namespace": NAMESPACE,
+            "running": actor is not None and not stopped,
+            "replicas": replicas,
+        }
+        if args.stop:
+            doc["stopped"] = stopped
+        print(json.dumps(doc), file=stdout)
+        return 0
+    if actor is None:
+        print(
+            f"no peer directory on this cluster ({name}): no load with peers ran here since "
+            "the cluster started or the directory was stopped",
+            file=stdout,
+        )
+        return 0
+    if replicas:
+        print(directory_table(replicas), file=stdout)
+    elif silent is None:
+        print(f"the peer directory ({name}) lists no replica", file=stdout)
+    if stopped:
+        listed = "" if silent is None else f" (it did not answer: {silent})"
+        print(
+            f"stopped the peer directory{listed}; the replicas it listed keep their weights "
+            "but are no longer offered to new loads",
+            file=stdout,
+        )
+    return 0
+
+
+_DIRECTORY_TIMEOUT_S = 10.0
+"""How long ``rayload directory`` waits for the directory to answer."""
+
+
+def _join_cluster(address: str | None) -> bool:
+    """Join the running cluster at ``address`` (as ``load`` finds it) for a command that
+    only looks at it; True when this call ran ``ray.init``. Nothing found, or ``local``,
+    is a :class:`~rayload.errors.ConfigError`: a new local Ray has nothing to show."""
+    import time
+
+    import ray
+
+    from rayload import cluster
+
+    if ray.is_initialized():
+        return False
+    found = cluster.find_address(address)
+    if found.address in (None, "local"):
+        raise ConfigError(
+            "no Ray cluster to look in (no --address, RAY_ADDRESS or `ray start` cluster on "
+            "this machine): pass --address host:port of the cluster the loads ran on"
+        )
+    try:
+        cluster.check_reachable(found)
+    except ConfigError as exc:
+        cause = exc.__cause__
+        reason = getattr(cause, "strerror", None) or str(cause or exc)
+        raise ConfigError(
+            f"cannot reach a Ray cluster at {found.address} ({found.describe()}): {reason}; "
+            "pass the --address of the running cluster the loads ran on"
+        ) from exc
+    return cluster.connect(address, deadline=time.monotonic() + cluster.CONNECT_TIMEOUT_S)
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     from rayload.benchmark import BenchConfig, run_benchmark, write_report
 
+    if args.replicas:
+        return _bench_peers(args)
     quick = _QUICK if args.quick else {}
     chosen = {
         "size_gb": args.size_gb,
@@ -184,6 +292,33 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 1 if result["consistency"] else 0
 
 
+def _bench_peers(args: argparse.Namespace) -> int:
+    """``rayload bench --replicas N...``: the peer benchmark on a local multi-node Cluster."""
+    from rayload.benchmark.peers import PeerBenchConfig, run_peer_benchmark, write_peer_report
+    from rayload.errors import ConfigError
+
+    if args.tp and len(args.tp) > 1:
+        raise ConfigError("with --replicas, give one --tp size (ranks per replica)")
+    chosen = {
+        "replicas": tuple(args.replicas),
+        "tp": args.tp[0] if args.tp else None,
+        "size_gb": args.size_gb,
+        "workdir": args.workdir,
+    }
+    chosen = {k: v for k, v in chosen.items() if v is not None}
+    config = PeerBenchConfig.quick(**chosen) if args.quick else PeerBenchConfig(**chosen)
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    result = run_peer_benchmark(config, progress=progress)
+    paths = write_peer_report(result, args.out)
+    print(paths["md"].read_text())
+    for kind, path in paths.items():
+        progress(f"wrote {kind}: {path}")
+    return 0
+
+
 _PROCESS_GROUPS = (*PROCESS_GROUPS, "none")
 
 _QUICK = {"size_gb": 0.25, "preset": "tiny-llama", "repeat": 1}
@@ -204,6 +339,8 @@ common commands:
   rayload load /tmp/llama --tp 4 --method scratch --device cpu --json
   rayload convert /tmp/llama /tmp/llama-tp4 --tp 4
   rayload load /tmp/llama-tp4 --tp 4 --method converted
+  rayload load /tmp/llama --tp 2 --replicas 3          3 copies, storage read once
+  rayload directory                              replicas offered to new loads
   rayload bench --quick
 
 exit codes: 0 success; 2 bad input or arguments (one line on stderr, the traceback with
@@ -215,7 +352,18 @@ examples:
   rayload load /tmp/llama --tp 4 --trace-dir traces/
   rayload load /tmp/llama --tp 2 --method fastsafetensors_gdr --device cuda --strict-method
   rayload load /tmp/llama --tp 8 --address 10.0.0.1:6379 --placement-strategy SPREAD
-  rayload load /tmp/llama --tp 4 --otlp-endpoint http://localhost:4317 --json"""
+  rayload load /tmp/llama --tp 4 --otlp-endpoint http://localhost:4317 --json
+  rayload load /tmp/llama --tp 2 --replicas 4 --address 10.0.0.1:6379"""
+
+_DIRECTORY_EPILOG = """\
+One detached actor per cluster (rayload-peer-directory, namespace rayload) maps each
+checkpoint and plan (the peer key) to the replicas that hold it; loads with peers create
+it and register there. States: loading, loaded.
+
+examples:
+  rayload directory --address 10.0.0.1:6379
+  rayload directory --json
+  rayload directory --stop"""
 
 _FORMATTER = argparse.RawDescriptionHelpFormatter
 
@@ -412,7 +560,26 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="seconds the whole load may take, placement included (default: %(default)s)",
     )
-    _add_json(p, "the result (trace_id, tp_size, startup_metrics, ranks, warnings)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="data-parallel copies of the TP group, a placement group each; replica 0 reads "
+        "storage, the others receive its bytes through Ray's object store (default: "
+        "%(default)s)",
+    )
+    p.add_argument(
+        "--no-peers",
+        action="store_true",
+        help="use no peer directory: receive nothing from other loads' replicas and offer "
+        "them none (this load's replicas still share)",
+    )
+    _add_json(
+        p,
+        "the result (trace_id, tp_size, replicas, replica_ids, peer_key, startup_metrics, "
+        "ranks of every replica, warnings)",
+    )
 
     p = add("demo", _cmd_demo, "load a tiny generated model with TP=2 on a local Ray")
     p.add_argument(
@@ -424,6 +591,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tp", type=int, default=2, metavar="N", help="number of ranks (default: %(default)s)"
     )
+
+    p = add(
+        "directory",
+        _cmd_directory,
+        "list the replicas the cluster's peer directory offers to new loads",
+        _DIRECTORY_EPILOG,
+    )
+    p.add_argument(
+        "--address",
+        metavar="ADDR",
+        help="Ray cluster to look in: host:port, ray://... or auto (default: RAY_ADDRESS, "
+        "else a `ray start` cluster on this machine)",
+    )
+    p.add_argument(
+        "--stop",
+        action="store_true",
+        help="then kill the directory: loaded replicas keep their weights, new loads start "
+        "an empty one",
+    )
+    _add_json(p, "the replicas (replica, key, path, tp_size, state, job, nodes, age_s)")
 
     p = add("bench", _cmd_bench, "benchmark rayload against peers and the disk limit")
     p.add_argument(
@@ -496,6 +683,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-split-probe",
         action="store_true",
         help="skip measuring read amplification by kind of tensor",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        nargs="+",
+        metavar="N",
+        help="run the peer benchmark instead: each count of TP replicas loaded together, "
+        "cold, on a local multi-node ray.cluster_utils.Cluster (storage bytes, bytes from "
+        "peers, weight population, total), and a new replica from a loaded one vs cold; "
+        "--tp (one size), --size-gb, --quick, --workdir and --out apply",
     )
     return parser
 

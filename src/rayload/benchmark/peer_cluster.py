@@ -1,0 +1,265 @@
+"""What the peer benchmark runs on: a ``ray.cluster_utils.Cluster`` of several nodes on
+one machine, a checkpoint whose shards the scratch reader reads exactly, and loads pinned
+to one node.
+
+Every node of the cluster is a raylet with its own object store, so a pull between two
+of them goes through Ray's object manager (over loopback here), as between machines;
+only the disk and the CPUs are shared. Worker node ``i`` has the custom resource
+``peerbench_node_<i>``, which :class:`PinnedLoader` uses to run a ``rayload.load`` whose
+ranks are on that node (the way a Serve replica loads: its ranks take bundles 1..tp of
+the caller's placement group).
+
+The exact-read checkpoint: rayload's scratch reader reads split-1 rows closer than
+:data:`~rayload.loading.reader.reads.GATHER_GAP` apart as whole runs, gaps included
+(every page holds row bytes, so the disk reads them anyway), so on a small-hidden model
+one replica reads ~1.3x its shards. With hidden and intermediate 2048 in f32 every split-1
+gap at TP 2 is 4 KiB: each rank reads exactly its shard, and "read once per cluster" can
+be checked against the checkpoint's own bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from rayload.loading.checkpoint import CONFIG_NAME, INDEX_NAME
+from rayload.loading.synthetic import LlamaShape
+
+log = logging.getLogger(__name__)
+
+NODE_RESOURCE = "peerbench_node_"
+"""Prefix of the custom resource that names worker node ``i`` (``peerbench_node_<i>``)."""
+
+EXACT_SHAPE = LlamaShape(
+    vocab_size=1024,
+    hidden_size=2048,
+    intermediate_size=2048,
+    num_hidden_layers=1,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
+)
+"""A Llama whose split-1 rows at TP 2 are 4 KiB apart in f32 (o_proj and down_proj rows of
+8 KiB, half each rank's): the scratch reader reads exactly each rank's shards."""
+
+_F32 = 4
+
+
+def exact_shape(size_gb: float) -> LlamaShape:
+    """:data:`EXACT_SHAPE` with layers and vocabulary scaled to about ``size_gb`` GB (f32):
+    as many whole layers as fit beside a 1024-entry vocabulary, the rest vocabulary."""
+    target = size_gb * 1e9
+    fixed = _nbytes(replace(EXACT_SHAPE, num_hidden_layers=0))
+    per_layer = _nbytes(EXACT_SHAPE) - fixed
+    layers = max(1, int((target - fixed) // per_layer))
+    rest = target - _nbytes(replace(EXACT_SHAPE, num_hidden_layers=layers, vocab_size=0))
+    per_token = 2 * EXACT_SHAPE.hidden_size * _F32  # embedding and lm_head rows
+    vocab = max(128, int(rest // per_token) // 128 * 128)
+    return replace(EXACT_SHAPE, num_hidden_layers=layers, vocab_size=vocab)
+
+
+def _nbytes(shape: LlamaShape) -> int:
+    return sum(math.prod(dims) for _, dims in shape.tensors()) * _F32
+
+
+def write_exact_checkpoint(out: str | os.PathLike[str], *, size_gb: float, seed: int = 0) -> Path:
+    """Write an f32 checkpoint of :func:`exact_shape` into ``out`` (two files, Hugging Face
+    index layout, seeded random normal values) unless one is there; return its path."""
+    import torch
+    from safetensors.torch import save_file
+
+    root = Path(out)
+    if (root / INDEX_NAME).exists():
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    shape = exact_shape(size_gb)
+    tensors = shape.tensors()
+    total = _nbytes(shape)
+    generator = torch.Generator().manual_seed(seed)
+    weight_map: dict[str, str] = {}
+    files: list[dict[str, torch.Tensor]] = [{}, {}]
+    written = 0
+    for name, dims in tensors:
+        part = 0 if written < total / 2 else 1
+        files[part][name] = torch.randn(dims, generator=generator, dtype=torch.float32)
+        weight_map[name] = f"model-0000{part + 1}-of-00002.safetensors"
+        written += math.prod(dims) * _F32
+    for part, batch in enumerate(files):
+        name = f"model-0000{part + 1}-of-00002.safetensors"
+        save_file(batch, str(root / name), metadata={"format": "pt"})
+    (root / CONFIG_NAME).write_text(json.dumps(shape.config("F32"), indent=2) + "\n")
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (root / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return root
+
+
+def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
+    """The checkpoint's tensor files (what a cold load reads from the disk)."""
+    return sorted(str(p) for p in Path(path).glob("*.safetensors"))
+
+
+@contextmanager
+def local_cluster(
+    nodes: int, *, object_store_bytes: int = 1 << 30, cpus_per_node: int = 2
+) -> Iterator[Any]:
+    """A head without CPUs (nothing is scheduled on it) and ``nodes`` worker nodes, each
+    ``cpus_per_node`` CPUs, its own object store and resource ``peerbench_node_<i>``; this
+    process connected to it. Shut down (directory included) on exit."""
+    from ray.cluster_utils import Cluster
+
+    from rayload.actors.directory import stop_directory
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "object_store_memory": 200 << 20},
+    )
+    try:
+        for i in range(nodes):
+            cluster.add_node(
+                num_cpus=cpus_per_node,
+                object_store_memory=object_store_bytes,
+                resources={f"{NODE_RESOURCE}{i}": 1},
+            )
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.ERROR)
+        yield cluster
+    finally:
+        if ray.is_initialized():
+            stop_directory()
+            ray.shutdown()
+        cluster.shutdown()
+
+
+def worker_nodes() -> list[str]:
+    """Worker node ids by index ``i`` (their ``peerbench_node_<i>`` resource)."""
+    found: dict[int, str] = {}
+    for node in ray.nodes():
+        for key in node.get("Resources", {}):
+            if key.startswith(NODE_RESOURCE) and node.get("Alive"):
+                found[int(key[len(NODE_RESOURCE) :])] = node["NodeID"]
+    return [found[i] for i in sorted(found)]
+
+
+class PinnedLoader:
+    """A driver of one ``rayload.load`` inside a placement group on one node: its ranks
+    take bundles 1..tp of that group, so they run where the group is (as in Serve)."""
+
+    def __init__(self) -> None:
+        self._result: Any = None
+
+    def load(self, path: str, tp: int, method: str, trace_dir: str) -> dict[str, Any]:
+        import rayload
+
+        start = time.perf_counter()
+        self._result = rayload.load(path, tp, method=method, device="cpu", trace_dir=trace_dir)
+        wall = time.perf_counter() - start
+        return {"wall_s": wall, "ranks": [r.to_dict() for r in self._result.ranks]}
+
+    def close(self) -> None:
+        if self._result is not None:
+            self._result.close()
+            self._result = None
+
+
+_RemoteLoader: Any = ray.remote(num_cpus=0)(PinnedLoader)
+
+
+@contextmanager
+def pinned_loader(node: int, tp: int) -> Iterator[Any]:
+    """A :class:`PinnedLoader` in a STRICT_PACK group of ``tp + 1`` bundles on worker
+    node ``node``; its load is closed and the group removed on exit."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    bundle = {"CPU": 0.01, f"{NODE_RESOURCE}{node}": 0.01}
+    group = placement_group([dict(bundle) for _ in range(tp + 1)], strategy="STRICT_PACK")
+    ray.get(group.ready(), timeout=120)
+    strategy = PlacementGroupSchedulingStrategy(
+        placement_group=group,
+        placement_group_bundle_index=0,
+        placement_group_capture_child_tasks=False,
+    )
+    loader = _RemoteLoader.options(scheduling_strategy=strategy, num_cpus=0.01).remote()
+    try:
+        yield loader
+    finally:
+        try:
+            ray.get(loader.close.remote(), timeout=60)
+        finally:
+            ray.kill(loader)
+            remove_placement_group(group)
+
+
+class _Holder:
+    """Holds one object in its node's object store, or gets one: the transfer probe."""
+
+    def put(self, nbytes: int) -> list[Any]:
+        import numpy as np
+
+        self._data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+        return [ray.put(self._data)]
+
+    def get(self, refs: list[Any]) -> float:
+        start = time.perf_counter()
+        data = ray.get(refs[0])
+        seconds = time.perf_counter() - start
+        del data
+        return seconds
+
+
+_RemoteHolder: Any = ray.remote(num_cpus=0)(_Holder)
+
+
+def transfer_rates(nbytes: int = 128 << 20, *, pulls: int = 3) -> dict[str, float]:
+    """Ray's object store in this cluster, measured now (MB/s): one ``nbytes`` object put
+    on node 0 and got on node 0 (shared memory), on node 1 (one pull between nodes), and
+    on nodes 1..``pulls`` at once (aggregate)."""
+
+    def on(node: int) -> Any:
+        return _RemoteHolder.options(resources={f"{NODE_RESOURCE}{node}": 0.001}).remote()
+
+    source = on(0)
+    refs = ray.get(source.put.remote(nbytes))
+    rates: dict[str, float] = {}
+    local = on(0)
+    rates["same_node_get_MBps"] = nbytes / 1e6 / ray.get(local.get.remote(refs))
+    one = on(1)
+    rates["cross_node_pull_MBps"] = nbytes / 1e6 / ray.get(one.get.remote(refs))
+    many_nodes = list(range(2, 2 + pulls))
+    available = len(worker_nodes())
+    many = [on(n) for n in many_nodes if n < available]
+    if len(many) >= 2:
+        start = time.perf_counter()
+        ray.get([m.get.remote(refs) for m in many])
+        rates["cross_node_pulls_at_once"] = len(many)
+        rates["cross_node_aggregate_MBps"] = (
+            len(many) * nbytes / 1e6 / (time.perf_counter() - start)
+        )
+    for actor in (source, local, one, *many):
+        ray.kill(actor)
+    return rates
+
+
+def cold_read_rate(files: Sequence[str]) -> float:
+    """MB/s of one sequential read of ``files`` from the disk (page cache dropped first)."""
+    from rayload.benchmark.probes import evict
+
+    evict(files)
+    buf = memoryview(bytearray(16 << 20))
+    total = 0
+    start = time.perf_counter()
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    return total / 1e6 / (time.perf_counter() - start)
