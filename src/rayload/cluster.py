@@ -191,7 +191,11 @@ def _observe_local_start() -> dict[str, int]:
         session_dir = node.get_session_dir_path()
     except AttributeError:
         return {}
-    return observe_local_start(pids, session_dir, os.getpid())
+    try:
+        return observe_local_start(pids, session_dir, os.getpid())
+    except (OSError, ValueError) as exc:  # telemetry never fails a load
+        log.debug("could not read what the local Ray's start did: %s", exc)
+        return {}
 
 
 def gcs_address() -> str | None:

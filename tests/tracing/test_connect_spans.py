@@ -108,6 +108,31 @@ def test_connect_phases_merge_unobserved_events_into_the_next_span() -> None:
     assert rows[-1][2:] == (t + 3100 * MS, t + 5000 * MS)
 
 
+def test_connect_phases_leave_a_span_whole_when_its_events_are_out_of_order() -> None:
+    t = 1_000_000 * MS
+    record = ConnectRecord(
+        t,
+        t + 3000 * MS,
+        started_ray=True,
+        init_start_ns=t,
+        init_end_ns=t + 3000 * MS,
+        events={
+            connect_spans.MONITOR_CREATED: t + 100 * MS,
+            connect_spans.DASHBOARD_CREATED: t + 300 * MS,
+            connect_spans.DASHBOARD_LOGGED: t + 1500 * MS,  # after Ray went on: not inside
+            connect_spans.LOG_MONITOR_CREATED: t + 1000 * MS,
+            connect_spans.RAYLET_REGISTERED: t + 2000 * MS,
+        },
+    )
+    rows = _flat(connect_phases(record))
+    assert [(d, n) for d, n, _, _ in rows] == [
+        (0, schema.CONNECT_GCS_SPAN),
+        (0, schema.CONNECT_DASHBOARD_SPAN),
+        (0, schema.CONNECT_RAYLET_SPAN),
+        (0, schema.CONNECT_DRIVER_SPAN),
+    ]
+
+
 def test_connect_phases_of_a_joined_cluster_are_address_then_driver() -> None:
     t = 1_000_000 * MS
     record = ConnectRecord(

@@ -183,37 +183,36 @@ def connect_phases(record: ConnectRecord) -> tuple[SpawnPhase, ...]:
 def _cut(
     start: int, end: int, steps: Sequence[_Step], events: Mapping[str, int], *, top: bool
 ) -> tuple[SpawnPhase, ...]:
-    """``steps`` as consecutive spans from ``start`` to ``end``: a step whose event was not
-    observed is merged into the next one. Below the top, none unless an inner cut was
-    observed (one child would only repeat its parent)."""
+    """``steps`` as consecutive spans from ``start`` to ``end``. At the top a step whose
+    event was not observed is merged into the next one; below it, a span gets children
+    only when every one of their events was observed in order inside it (otherwise it
+    stays one span: a merged child would be named for less than it covers)."""
     ends = [end if step.until is None else events.get(step.until) for step in steps]
-    if not top and not any(t is not None and start < t < end for t in ends):
-        return ()
+    if not top:
+        cuts = [t for t in ends[:-1] if t is not None]
+        if len(cuts) < len(ends) - 1 or cuts != sorted(cuts):
+            return ()
+        if not all(start <= t <= end for t in cuts):
+            return ()
     phases, cursor = [], start
     for step, stop in zip(steps, ends, strict=True):
-        if stop is None or stop < cursor:
-            continue
-        stop = min(stop, end)
+        if stop is None or not cursor <= stop <= end:
+            continue  # not observed, or out of Ray's order: merged into the next step
         children = _cut(cursor, stop, step.steps, events, top=False) if step.steps else ()
         phases.append(SpawnPhase(step.name, cursor, stop, children=children))
         cursor = stop
-    return _kept(phases)
+    kept = _kept(phases)
+    return kept if top or len(kept) > 1 else ()
 
 
 def _trusted(events: Mapping[str, int], start: int, end: int) -> dict[str, int]:
-    """The events inside ``ray.init`` (give or take :data:`_TOLERANCE_NS`), clamped into it
-    and made monotonic in :data:`EVENTS` order (a later event seen earlier is dropped)."""
-    kept: dict[str, int] = {}
-    last = start
-    for name in EVENTS:
-        t = events.get(name)
-        if t is None or not start - _TOLERANCE_NS <= t <= end + _TOLERANCE_NS:
-            continue
-        t = min(max(t, start), end)
-        if t < last:
-            continue
-        kept[name] = last = t
-    return kept
+    """The events inside ``ray.init`` (give or take :data:`_TOLERANCE_NS`), clamped into
+    it; further out they are not trusted (a clock or time-zone mismatch, a stale log)."""
+    return {
+        name: min(max(t, start), end)
+        for name, t in events.items()
+        if start - _TOLERANCE_NS <= t <= end + _TOLERANCE_NS
+    }
 
 
 def _kept(phases: Sequence[SpawnPhase]) -> tuple[SpawnPhase, ...]:
