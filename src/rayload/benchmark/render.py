@@ -278,7 +278,17 @@ def start_up_table(su: dict[str, Any]) -> str:
         row(f"{tp} bare interpreters at once (`python -c pass`)", "bare_interpreters_s"),
         row(f"{tp} bare processes at once: `import torch, rayload`", "bare_imports_s"),
         row(f"{tp} bare Ray actors at once (empty `__init__`), until ready", "bare_actors_s"),
-        row("**floor**: bare actors + bare imports - bare interpreters", "floor_s"),
+        row("loose floor: bare actors + bare imports - bare interpreters", "floor_s"),
+    ]
+    if "ray_floor_s" in m:
+        rows.append(
+            row(
+                f"**Ray's floor**: {tp} Ray actors importing torch + rayload, in a placement "
+                "group, until ready",
+                "ray_floor_s",
+            )
+        )
+    rows += [
         [
             f"**rayload spawn** (slowest rank's `rayload.spawn`, {su['rayload_spawns']} loads)",
             f"{su['rayload_spawn_s']:.3f}",
@@ -317,6 +327,8 @@ def start_up_table(su: dict[str, Any]) -> str:
     ]
     if su.get("bare_actor_imported_torch"):
         lines.append("**Warning:** a bare actor had torch imported: its time is not bare.")
+    if "ray_floor_imported_torch" in su and not su["ray_floor_imported_torch"]:
+        lines.append("**Warning:** a floor actor had no torch imported: its time is too low.")
     lines.append("\n".join("| " + " | ".join(r) + " |" for r in rows))
     return "\n\n".join(lines)
 

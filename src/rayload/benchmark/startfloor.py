@@ -10,16 +10,19 @@ started (one ``ray.init`` for the whole measurement). Each repetition, in this o
 * ``bare_actors``: ``tp`` Ray actors of a class whose ``__init__`` does nothing, with
   rayload's CPU request, created at once, timed until every one answered a method call
   (each also says whether torch was imported in it: it must not be);
+* ``ray_floor``: ``tp`` Ray actors whose module imports torch and rayload and that do
+  nothing else (:mod:`rayload.benchmark.floor_actor`), in a placement group made as
+  rayload makes one, with the rank actors' resources and options, timed until each
+  answered: what Ray itself must pay for these ranks;
 * a fresh ``rayload.load`` (its ``actor_startup_seconds``, from the ``rayload.spawn``
   spans, and its ``weight_population_seconds``), then ``result.reload()`` of the same
   checkpoint, then ``close`` + a second fresh ``rayload.load`` timed as one wall time.
 
-The floor is ``bare_actors + bare_imports - bare_interpreters``: a rank actor is a Ray
-worker started for an actor and then the imports; on a machine with fewer cores than ranks
-both are CPU-bound and cannot overlap, so their sum is what any loader of torch tensors on
-Ray actors pays. The interpreter's own start is in both figures, so it is taken out once.
-(The max of the two would be a floor only if Ray's start and the imports could run side
-by side, which they cannot within one worker.)
+Two floors. ``ray_floor`` is the tight one, the target's: the same workers Ray starts for
+rayload's ranks, the same imports, started the way Ray staggers them, and no rayload work.
+``floor`` (``bare_actors + bare_imports - bare_interpreters``) is the earlier, loose one:
+``tp`` interpreters importing torch at the same instant on fewer cores contend harder than
+Ray's staggered workers, so it can lie above what a spawn costs (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -86,6 +89,42 @@ def bare_actors(n: int, *, num_cpus: float) -> tuple[float, bool]:
     return elapsed, any(torch_seen)
 
 
+def importing_actors(n: int) -> tuple[float, bool]:
+    """Seconds from creating ``n`` actors of :class:`~rayload.benchmark.floor_actor.
+    ImportingActor` at once, each in its bundle of a placement group made the way
+    rayload makes one (same resources, strategy and actor options as its rank actors),
+    until each answered: Ray's worker start plus the imports of torch and rayload, staggered
+    as Ray staggers them, and nothing else. Also whether every one had torch imported."""
+    import ray
+
+    from rayload.benchmark.floor_actor import ImportingActor
+    from rayload.placement.placement_group import create_placement_group
+
+    placement = create_placement_group(n, use_gpus=False)
+    remote: Any = ray.remote(ImportingActor)
+    try:
+        start = time.perf_counter()
+        actors = []
+        for rank in range(n):
+            resources = placement.resources(rank, want_gpu=False)
+            actors.append(
+                remote.options(
+                    num_cpus=resources.num_cpus,
+                    num_gpus=resources.num_gpus,
+                    scheduling_strategy=placement.scheduling_strategy(rank),
+                    max_restarts=0,
+                    max_task_retries=0,
+                ).remote()
+            )
+        answers = ray.get([a.ready.remote() for a in actors])
+        elapsed = time.perf_counter() - start
+        for actor in actors:
+            ray.kill(actor)
+    finally:
+        placement.remove()
+    return elapsed, all(torch for _, torch, _ in answers)
+
+
 def spawn_parts(spans: Sequence[Any]) -> dict[str, float]:
     """The slowest rank's ``rayload.spawn`` and its children, seconds (a part the spawn
     did not have, e.g. ``process_start`` of a pre-started worker, is 0)."""
@@ -121,6 +160,7 @@ def _one_repetition(checkpoint: str, tp: int, method: str, device: str) -> dict[
         tp, num_cpus=DEFAULT_CPUS_PER_RANK
     )
     run["floor_s"] = run["bare_actors_s"] + run["bare_imports_s"] - run["bare_interpreters_s"]
+    run["ray_floor_s"], run["ray_floor_imported_torch"] = importing_actors(tp)
     result, run["fresh_wall_s"] = _load(checkpoint, tp, method, device)
     aggregate = result.startup_metrics["aggregate"]
     run["spawn_s"] = aggregate[metrics.ACTOR_STARTUP]["max"]
@@ -144,6 +184,7 @@ _MEDIANS = (
     "bare_imports_s",
     "bare_actors_s",
     "floor_s",
+    "ray_floor_s",
     "fresh_wall_s",
     "spawn_s",
     "fresh_population_s",
@@ -178,6 +219,11 @@ def measure_floor(
         "rayload_spawn_range": [min(spawns), max(spawns)],
         "rayload_spawns": len(spawns),
         "floor_range": [min(r["floor_s"] for r in runs), max(r["floor_s"] for r in runs)],
+        "ray_floor_range": [
+            min(r["ray_floor_s"] for r in runs),
+            max(r["ray_floor_s"] for r in runs),
+        ],
+        "ray_floor_imported_torch": all(r["ray_floor_imported_torch"] for r in runs),
         "spawn_parts": _median_parts([r["spawn_parts"] for r in runs]),
         "bare_actor_imported_torch": any(r["bare_actor_imported_torch"] for r in runs),
         "runs": runs,
