@@ -22,6 +22,8 @@ from rayload.cli import main
         (["--tp", "0"], "tp_size must be a positive integer, got 0"),
         (["--tp", "2", "--method", "teleport"], "unknown load method 'teleport'"),
         (["--tp", "2", "--timeout", "0"], "timeout must be > 0"),
+        (["--tp", "2", "--replicas", "0"], "replicas must be a positive integer, got 0"),
+        (["--tp", "2", "--replicas", "-3", "--no-peers"], "replicas must be a positive integer"),
     ],
 )
 def test_load_bad_input_exits_2_with_one_line_before_ray_starts(

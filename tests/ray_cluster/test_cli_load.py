@@ -1,5 +1,7 @@
-"""``rayload load`` and ``rayload demo`` on a real Ray: the summary, the ``--json`` object,
-progress on stderr, exit codes 1 and 2 for failed loads, and a demo from a fresh process."""
+"""``rayload load``, ``rayload directory`` and ``rayload demo`` on a real Ray: the summary,
+the ``--json`` object (every replica's ranks with ``--replicas``), progress on stderr, exit
+codes 1 and 2 for failed loads, the peer directory's listing and ``--stop``, and a demo
+from a fresh process."""
 
 from __future__ import annotations
 
@@ -13,12 +15,17 @@ from pathlib import Path
 import pytest
 import ray
 
+import rayload
+from rayload.actors.directory import DIRECTORY_NAME, NAMESPACE
 from rayload.cli import main
 from rayload.loading import plan_shards
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
-RANK_KEYS = {"rank", "node_id", "device", "method", "bytes_read", "tensors", "seconds"}
+RANK_KEYS = {
+    "rank", "replica", "node_id", "device", "method", "bytes_read", "bytes_from_storage",
+    "bytes_from_peers", "source", "tensors", "seconds",
+}  # fmt: skip
 
 
 def test_load_json_prints_one_object_with_contract_fields(
@@ -27,8 +34,10 @@ def test_load_json_prints_one_object_with_contract_fields(
     assert main(["load", str(tiny_llama), "--tp", "2", "--device", "cpu", "--json"]) == 0
     out = capsys.readouterr().out
     doc = json.loads(out)  # stdout is exactly one JSON object
-    assert {"trace_id", "tp_size", "startup_metrics", "ranks"} <= set(doc)
+    assert {"trace_id", "tp_size", "startup_metrics", "ranks", "replicas", "peer_key"} <= set(doc)
     assert doc["tp_size"] == 2 and len(doc["trace_id"]) == 32
+    assert doc["replicas"] == 1 and len(doc["replica_ids"]) == 1
+    assert doc["peer_key"].startswith("ckpt-")
     assert [r["rank"] for r in doc["ranks"]] == [0, 1]
     node = ray.get_runtime_context().get_node_id()
     for rank in doc["ranks"]:
@@ -41,6 +50,8 @@ def test_load_json_prints_one_object_with_contract_fields(
             "fallback_reason": None,
         }
         assert rank["bytes_read"] > 0 and rank["tensors"] > 0
+        assert rank["bytes_from_storage"] == rank["bytes_read"] and rank["bytes_from_peers"] == 0
+        assert rank["source"] == "storage" and rank["replica"] == 0
     assert doc["startup_metrics"]["aggregate"]["placement_seconds"]["max"] >= 0
 
 
@@ -68,7 +79,7 @@ def test_load_prints_rank_table_metrics_and_progress_lines(
     header = captured.out.splitlines()[0].split()
     assert header == [
         "rank", "node", "device", "requested", "selected", "effective", "fallback",
-        "bytes", "seconds",
+        "bytes", "peer_bytes", "seconds",
     ]  # fmt: skip
     assert "slowest rank" in captured.out and str(tmp_path / "trace.html") in captured.out
     loaded = [line for line in captured.err.splitlines() if " loaded " in line]
@@ -98,6 +109,74 @@ def test_load_strict_method_fallback_exits_2(
     argv = ["load", str(tiny_llama), "--tp", "1", "--method", "fastsafetensors_gdr"]
     assert main([*argv, "--strict-method", "--device", "cpu"]) == 2
     assert "rank 0 on node" in capsys.readouterr().err
+
+
+def test_load_replicas_json_lists_every_replicas_ranks_and_replica_1_reads_no_storage(
+    tiny_llama: Path, capsys: pytest.CaptureFixture[str], no_leaks: object
+) -> None:
+    argv = ["load", str(tiny_llama), "--tp", "2", "--replicas", "2", "--device", "cpu"]
+    assert main([*argv, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["replicas"] == 2 and len(set(doc["replica_ids"])) == 2
+    assert [(r["replica"], r["rank"]) for r in doc["ranks"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    first, second = doc["ranks"][:2], doc["ranks"][2:]
+    plan = plan_shards(tiny_llama, 2)
+    for rank in first:
+        assert rank["source"] == "storage" and rank["bytes_from_storage"] > 0
+        assert rank["bytes_from_peers"] == 0
+    for rank in second:
+        assert rank["method"]["effective"] == "peer" and rank["method"]["fallback_reason"] is None
+        assert rank["bytes_from_storage"] == 0
+        assert rank["bytes_from_peers"] == plan.ranks[rank["rank"]].nbytes
+        assert rank["source"].startswith(f"peer replica={doc['replica_ids'][0]} ")
+    agg = doc["startup_metrics"]["aggregate"]
+    assert agg["bytes_from_peers"]["total"] == sum(r.nbytes for r in plan.ranks)
+
+
+def test_directory_lists_a_loaded_replica_no_peers_load_is_not_listed_and_stop_ends_it(
+    tiny_llama: Path, capsys: pytest.CaptureFixture[str], no_leaks: object
+) -> None:
+    node = ray.get_runtime_context().get_node_id()
+    with rayload.load(tiny_llama, 2, device="cpu") as held:
+        (replica_id,) = held.replica_ids
+        # A --no-peers load reads storage although `held` has its bytes, and is not listed.
+        argv = ["load", str(tiny_llama), "--tp", "2", "--device", "cpu", "--no-peers", "--json"]
+        assert main(argv) == 0
+        ranks = json.loads(capsys.readouterr().out)["ranks"]
+        assert [r["source"] for r in ranks] == ["storage", "storage"]
+        assert all(r["bytes_from_storage"] > 0 for r in ranks)
+
+        assert main(["directory", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["running"] and doc["directory"] == DIRECTORY_NAME
+        (entry,) = [e for e in doc["replicas"] if e["key"] == held.peer_key]
+        assert entry["replica"] == replica_id and entry["state"] == "loaded"
+        assert entry["tp_size"] == 2 and entry["nodes"] == [node, node]
+        assert entry["path"] == str(tiny_llama) and entry["age_s"] >= 0
+
+        assert main(["directory"]) == 0
+        table = capsys.readouterr().out.splitlines()
+        assert table[0].split() == ["replica", "state", "tp", "nodes", "age", "key", "path"]
+        (row,) = [line.split() for line in table[1:] if line.startswith(replica_id)]
+        assert row[1:4] == ["loaded", "2", node[:8]]
+        assert row[-2:] == [held.peer_key, str(tiny_llama)]
+
+        assert main(["directory", "--stop"]) == 0
+        out = capsys.readouterr().out
+        assert replica_id in out and "stopped the peer directory" in out
+        with pytest.raises(ValueError):
+            ray.get_actor(DIRECTORY_NAME, namespace=NAMESPACE)
+
+    assert main(["directory"]) == 0
+    assert capsys.readouterr().out.startswith("no peer directory on this cluster")
+    assert main(["directory", "--stop", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "directory": DIRECTORY_NAME,
+        "namespace": NAMESPACE,
+        "running": False,
+        "replicas": [],
+        "stopped": False,
+    }
 
 
 def test_demo_in_process_writes_traces_and_says_where(
