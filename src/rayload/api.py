@@ -51,6 +51,7 @@ from rayload.placement import RankPlacement
 from rayload.progress import LoadProgress, ProgressCallback
 from rayload.result import LoadResult, ReloadResult
 from rayload.tracing import StartupTrace, publish_ray_metrics, schema, startup_metrics
+from rayload.tracing.connect_spans import add_connect_spans
 
 log = logging.getLogger(__name__)
 
@@ -128,14 +129,13 @@ def load(
     outputs.prepare()
     hooks = hooks_from_env()
     deadline = time.monotonic() + timeout
-    prepared_ns = time.time_ns()
-    started_ray = cluster.connect(address, deadline=deadline)
-    connected_ns = time.time_ns()
+    connection = cluster.connect_recorded(address, deadline=deadline)
+    started_ray = connection.started_ray
     # The root span starts where the load started, so driver-side config parsing and Ray
     # start-up are inside the trace's total, as their own spans.
     trace = StartupTrace(tp_size=tp_size, model_role=model_role, start_ns=start_ns)
-    trace.add_span(schema.PREPARE_SPAN, start_ns, prepared_ns, {"tp_size": tp_size})
-    trace.add_span(schema.CONNECT_SPAN, prepared_ns, connected_ns, {"ray.started": started_ray})
+    trace.add_span(schema.PREPARE_SPAN, start_ns, connection.start_ns, {"tp_size": tp_size})
+    add_connect_spans(trace, connection)
     placements: list[RankPlacement] = []
     groups: list[RankActorGroup] = []
     # A Ray this load started ends with it: nobody else could load from its replicas.

@@ -14,6 +14,7 @@ from typing import Any
 
 import ray
 
+from rayload import cluster
 from rayload.actors.messages import Applied, LoadRequest
 from rayload.actors.rank_group import RankActorGroup
 from rayload.actors.sharing import PeerSharing
@@ -254,7 +255,7 @@ class LoadResult:
         """Take the replicas out of the peer directory, destroy the ranks' process groups
         (best effort, a few seconds at most), stop the actors and release the placement
         groups (and Ray, if load started it). Idempotent."""
-        if self._sharing is not None:
+        if self._sharing is not None and not cluster.head_lost():
             self._sharing.drop()
         if self.process_group is not None:
             for group in self._groups:
