@@ -1,5 +1,6 @@
 """Checkpoint and plan identity: the same for the same content anywhere, different as soon
-as a header byte, the tp size, the rules or expert parallel differ."""
+as a header byte, the data (a fine-tuned step with the same header), the tp size, the
+rules or expert parallel differ."""
 
 from __future__ import annotations
 
@@ -8,9 +9,16 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from rayload.loading import open_checkpoint, plan_shards
-from rayload.loading.identity import checkpoint_identity, peer_key, plan_identity
+from rayload.loading.identity import (
+    SAMPLE_BYTES,
+    SAMPLES,
+    checkpoint_identity,
+    peer_key,
+    plan_identity,
+)
 from rayload.loading.rules import Rule
 
 
@@ -68,14 +76,44 @@ def test_one_header_byte_changed_at_equal_size_changes_the_checkpoint_identity(
     assert _key(copy) != _key(llama)
 
 
-def test_tensor_data_is_not_read(llama: Path, tmp_path: Path) -> None:
-    """Headers only: overwriting tensor bytes (same size) keeps the identity."""
-    copy = shutil.copytree(llama, tmp_path / "copy")
-    [file] = copy.glob("*.safetensors")
-    raw = bytearray(file.read_bytes())
-    raw[-16:] = bytes(16)
-    file.write_bytes(bytes(raw))
-    assert _key(copy) == _key(llama)
+def test_a_fine_tuned_checkpoint_with_the_same_header_has_another_key(
+    llama: Path, tmp_path: Path
+) -> None:
+    """The next step of a fine-tune is saved with the same header and sizes: the sampled
+    data blocks tell it apart."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llama)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1e-3)
+    tuned = tmp_path / "tuned"
+    model.save_pretrained(tuned, safe_serialization=True)
+    [base_file], [tuned_file] = llama.glob("*.safetensors"), tuned.glob("*.safetensors")
+    assert _header(base_file) == _header(tuned_file)
+    assert base_file.stat().st_size == tuned_file.stat().st_size
+    assert _key(tuned) != _key(llama)
+
+
+def test_identity_reads_headers_and_samples_only(llama: Path) -> None:
+    checkpoint = open_checkpoint(llama)
+    before = _rchar()
+    checkpoint_identity(checkpoint)
+    read = _rchar() - before
+    headers = sum(len(_header(Path(f))) + 8 for f in checkpoint.files)
+    slack = 4096  # reading /proc/self/io itself
+    assert read <= headers + len(checkpoint.files) * SAMPLES * SAMPLE_BYTES + slack
+    assert read < checkpoint.total_bytes
+
+
+def _header(path: Path) -> bytes:
+    raw = path.read_bytes()
+    return raw[8 : 8 + int.from_bytes(raw[:8], "little")]
+
+
+def _rchar() -> int:
+    with open("/proc/self/io", encoding="ascii") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("rchar:"))
 
 
 def test_tp_size_changes_the_plan_identity(llama: Path) -> None:

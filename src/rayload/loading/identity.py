@@ -4,12 +4,16 @@ which a replica offers its shards to others (the ``peer`` method).
 Two loads may share shards exactly when they load the same checkpoint content with the
 same plan. Paths say nothing about content (a copy elsewhere is the same checkpoint; a
 checkpoint rewritten in place is not), so :func:`checkpoint_identity` hashes what the
-files say about themselves, cheaply: headers only, no tensor data.
+files hold, cheaply: headers and a sample of the data, never all of it.
 
 * Hugging Face layouts: each file's path in the checkpoint, size and the SHA-256 of its
   header bytes (the 8-byte length and the JSON header, which hold every tensor's name,
-  dtype, shape and offsets, and the metadata). A tensor's values are not hashed: a
-  checkpoint whose data changed under an unchanged header keeps its identity.
+  dtype, shape and offsets, and the metadata) and of :data:`SAMPLES` data blocks spread
+  over the file. The header alone is not enough: a fine-tuned model, or the next step of
+  an RL run, is saved with the same header and sizes as its base. Two checkpoints that
+  differ only between the sampled blocks (e.g. a few tensors edited in place) would still
+  share a key: for those, ``rayload convert`` them (whole-file CRC-32s) or load with
+  ``peers=False``.
 * Converted layout: the manifest's tp size and each file's size and CRC-32 (which
   ``rayload convert`` computed over the whole file, data included).
 
@@ -27,15 +31,22 @@ from rayload.errors import CheckpointError
 from rayload.loading.checkpoint import Checkpoint
 from rayload.loading.plan import ShardPlan
 
+SAMPLES = 16
+SAMPLE_BYTES = 4096
+"""Data blocks hashed per file beside its header: a fine-tuned checkpoint (or the next
+step of an RL run) has the same header and sizes as the one it came from, and differs in
+every block; 64 KiB of reads per file tell them apart."""
+
 _DIGITS = 12
 """Hex digits of each half of a peer key (48 bits each: collisions are not a concern for
 the handful of checkpoints a cluster holds)."""
 
 
 def checkpoint_identity(checkpoint: Checkpoint) -> str:
-    """The SHA-256 (hex) of the checkpoint's content as its headers (or, converted, its
-    manifest) describe it; the same for a copy at another path. Reads only headers;
-    CheckpointError naming the file when one cannot be read."""
+    """The SHA-256 (hex) of the checkpoint's content as its headers and sampled data (or,
+    converted, its manifest) describe it; the same for a copy at another path. Reads
+    each file's header and :data:`SAMPLES` blocks of :data:`SAMPLE_BYTES`; CheckpointError
+    naming the file when one cannot be read."""
     if checkpoint.layout == "converted":
         manifest = checkpoint.manifest
         assert manifest is not None, "a converted checkpoint has its manifest"
@@ -47,7 +58,7 @@ def checkpoint_identity(checkpoint: Checkpoint) -> str:
     files = {
         _relative(checkpoint.root, path): {
             "size": os.path.getsize(path),
-            "header_sha256": _header_sha256(path),
+            "sha256": _header_and_samples_sha256(path),
         }
         for path in checkpoint.files
     }
@@ -93,16 +104,33 @@ def _relative(root: str, path: str) -> str:
     return os.path.relpath(path, root).replace(os.sep, "/")
 
 
-def _header_sha256(path: str) -> str:
-    """SHA-256 of the 8-byte header length and the JSON header of ``path``."""
+def _header_and_samples_sha256(path: str) -> str:
+    """SHA-256 of the 8-byte header length, the JSON header of ``path`` and
+    :data:`SAMPLES` blocks of its data, evenly spaced from the first byte after the header
+    to the last."""
+    digest = hashlib.sha256()
     try:
-        with open(path, "rb") as file:
+        with open(path, "rb", buffering=0) as file:  # unbuffered: no read-ahead
             prefix = file.read(8)
             header = file.read(int.from_bytes(prefix, "little")) if len(prefix) == 8 else b""
+            digest.update(prefix + header)
+            start, size = 8 + len(header), os.fstat(file.fileno()).st_size
+            for offset in _sample_offsets(start, size):
+                digest.update(os.pread(file.fileno(), SAMPLE_BYTES, offset))
     except OSError as exc:
         raise CheckpointError(
             f"{path}: cannot read its header ({exc.strerror or exc}); check that the "
             "checkpoint is still there and readable",
             file=path,
         ) from exc
-    return hashlib.sha256(prefix + header).hexdigest()
+    return digest.hexdigest()
+
+
+def _sample_offsets(start: int, end: int) -> list[int]:
+    """Where the sampled blocks of a data region ``[start, end)`` begin (all of it when it
+    is smaller than the samples together)."""
+    span = end - start
+    if span <= SAMPLES * SAMPLE_BYTES:
+        return list(range(start, end, SAMPLE_BYTES))
+    step = (span - SAMPLE_BYTES) / (SAMPLES - 1)
+    return [start + round(i * step) for i in range(SAMPLES)]
