@@ -11,16 +11,25 @@ Routes read results cached after the load finished, or await Ray calls off the e
 
     python examples/serve_deployment.py        # local Ray + Serve, one request, shut down
     serve run --app-dir examples --working-dir examples serve_deployment:build_app \\
-        checkpoint=/path/to/model tp=2
+        checkpoint=/path/to/model tp=2 max_replicas=4
     curl -X POST localhost:8000/ -d '{"token_ids": [1, 2, 3]}'     # {"top5": [...]}
 
 (``--app-dir`` lets ``serve run`` import this file, ``--working-dir`` lets the replica.)
 
+``replicas=N`` runs N replicas; ``max_replicas=N`` autoscales from 1 to N on the requests
+waiting (:data:`AUTOSCALING`). Every replica's ``rayload.load`` goes through the cluster's
+peer directory, so a replica started while another holds the checkpoint receives its
+shards from that one through Ray's object store instead of reading storage: a scale-up
+reads no checkpoint bytes (docs/ray.md "Peer loading").
+
 ``POST /`` with ``{"token_ids": [...]}`` returns ``{"top5": [...]}``, the 5 most likely next
 tokens: one forward pass over every rank at once (its collectives need all of them), one
 request at a time. A body that is not such an object is a 400 with a one-line reason.
-``GET /`` returns the trace id, per-rank reports and startup metrics;
-``GET /shard?rank=R&name=N`` returns the shape and dtype of one rank's shard.
+``GET /`` (and the handle method ``load_report``) returns what this replica's load did: the
+trace id, the Serve replica's id, rayload's replica id and peer key, per-rank reports
+(``method.effective``, ``bytes_from_storage``, ``bytes_from_peers``, ``source``) and the
+startup metrics; ``GET /shard?rank=R&name=N`` returns the shape and dtype of one rank's
+shard.
 """
 
 from __future__ import annotations
@@ -46,6 +55,17 @@ if TYPE_CHECKING:
     from rayload.api import RankState
 
 CPUS_PER_BUNDLE = 0.01  # the replica and the ranks mostly wait on I/O
+
+AUTOSCALING = {
+    # One forward at a time per replica: a second request waiting means another helps.
+    "target_ongoing_requests": 1,
+    # A replica that loads from a peer is ready in seconds: scale up without waiting long.
+    "upscale_delay_s": 1.0,
+    "look_back_period_s": 2.0,
+    # Deprecated in Ray 2.60 for RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S, still honoured.
+    "metrics_interval_s": 0.5,
+}
+"""Serve's autoscaling options with ``max_replicas`` (min 1; Serve's defaults otherwise)."""
 
 
 def vocab_size(state: RankState) -> int:
@@ -87,11 +107,18 @@ class TPModel:
         self._forward = asyncio.Lock()
         self._summary = {
             "trace_id": self._result.trace_id,
+            "serve_replica": serve.get_replica_context().replica_id.unique_id,
+            "replica_id": self._result.replica_ids[0],
+            "peer_key": self._result.peer_key,
             "tp_size": self._result.tp_size,
             "ranks": [report.to_dict() for report in self._result.ranks],
             "startup_metrics": self._result.startup_metrics,
             "warnings": self._result.warnings,
         }
+
+    async def load_report(self) -> dict[str, Any]:
+        """What this replica's load did (as ``GET /``), for handle callers."""
+        return self._summary
 
     async def __call__(self, request: Request) -> Any:
         if request.method == "POST":
@@ -119,9 +146,17 @@ class TPModel:
             result.close()  # stops the rank actors; the group belongs to Serve
 
 
-def deployment(tp_size: int, *, use_gpus: bool = False) -> Any:
-    """The :class:`TPModel` deployment with a placement group sized for ``tp_size``."""
+def deployment(
+    tp_size: int, *, use_gpus: bool = False, replicas: int = 1, max_replicas: int | None = None
+) -> Any:
+    """The :class:`TPModel` deployment with a placement group sized for ``tp_size``:
+    ``replicas`` of it, or, with ``max_replicas``, autoscaled from 1 to that many."""
     ranks = rank_bundles(tp_size, use_gpus=use_gpus, cpus_per_rank=CPUS_PER_BUNDLE)
+    scaling: dict[str, Any] = {"num_replicas": replicas}
+    if max_replicas is not None:
+        scaling = {
+            "autoscaling_config": {"min_replicas": 1, "max_replicas": max_replicas, **AUTOSCALING}
+        }
     return serve.deployment(
         TPModel,
         name="TPModel",
@@ -129,14 +164,22 @@ def deployment(tp_size: int, *, use_gpus: bool = False) -> Any:
         # Bundle 0 holds the replica, bundles 1..tp_size the rank actors.
         placement_group_bundles=[{"CPU": CPUS_PER_BUNDLE}, *ranks],
         placement_group_strategy="STRICT_PACK",
+        **scaling,
     )
 
 
 def build_app(args: dict[str, str]) -> Any:
-    """``serve run`` builder: ``checkpoint=...`` (required) ``tp=2`` ``device=cpu``."""
+    """``serve run`` builder: ``checkpoint=...`` (required) ``tp=2`` ``device=cpu``
+    ``replicas=1``, or ``max_replicas=N`` to autoscale from 1 to N replicas."""
     tp_size = int(args.get("tp", 2))
     device = args.get("device", "cpu")
-    return deployment(tp_size, use_gpus=device == "cuda").bind(args["checkpoint"], tp_size, device)
+    most = args.get("max_replicas")
+    return deployment(
+        tp_size,
+        use_gpus=device == "cuda",
+        replicas=int(args.get("replicas", 1)),
+        max_replicas=None if most is None else int(most),
+    ).bind(args["checkpoint"], tp_size, device)
 
 
 def main() -> None:
@@ -152,7 +195,10 @@ def main() -> None:
             summary = json.load(response)
         print(f"trace {summary['trace_id']}, {summary['tp_size']} ranks loaded:")
         for rank in summary["ranks"]:
-            print(f"  rank {rank['rank']}: {rank['bytes_read']} bytes in {rank['seconds']} s")
+            print(
+                f"  rank {rank['rank']}: {rank['bytes_from_storage']} bytes from storage, "
+                f"{rank['bytes_from_peers']} from peers, in {rank['seconds']} s"
+            )
         token_ids = [1, 2, 3, 4, 5]
         post = urllib.request.Request(
             "http://127.0.0.1:8000/", data=json.dumps({"token_ids": token_ids}).encode()

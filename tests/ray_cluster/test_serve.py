@@ -2,11 +2,15 @@
 run in the replica's own placement group, an HTTP GET returns the startup metrics and trace
 id, a POST answers the next-token top 5 of the TP forward over the ranks (held to
 transformers on the same float32 checkpoint), a bad body is a 400, and ``serve.shutdown()``
-leaves no actor or placement group behind."""
+leaves no actor or placement group behind. Autoscaled from 1 to 3 replicas under traffic,
+the new replicas receive every shard from the first through the peer directory and read
+no checkpoint bytes; deleting the app leaves no rank actor or placement group."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -14,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+import ray
 import torch
 from ray import serve
 from ray.util.state import list_actors
@@ -85,4 +90,99 @@ def test_serve_replica_loads_into_its_placement_group_and_answers_top5(
         assert replica.placement_group_id is not None
         assert {a.placement_group_id for a in ranks} == {replica.placement_group_id}
     finally:
+        serve.shutdown()
+
+
+def _running_replicas(app: str) -> int:
+    deployments = serve.status().applications[app].deployments
+    return int(deployments["TPModel"].replica_states.get("RUNNING", 0))
+
+
+def _post_until(url: str, stop: threading.Event, statuses: list[int]) -> None:
+    """One client: POST a forward, again and again, until ``stop``."""
+    while not stop.is_set():
+        statuses.append(_post(url, json.dumps({"token_ids": [1, 2, 3]}).encode())[0])
+
+
+def _rank_actors_and_groups(state_address: str, before: Any) -> tuple[list[str], list[str]]:
+    """The rank actors alive and the placement groups created now that were not
+    ``before`` (the ``no_leaks`` state)."""
+    alive = list_actors(address=state_address, filters=[("state", "=", "ALIVE")])
+    groups = ray.util.placement_group_table()
+    return (
+        [a.actor_id for a in alive if a.class_name == "RankActor"],
+        [g for g, info in groups.items() if info["state"] == "CREATED" and g not in before.groups],
+    )
+
+
+def test_serve_scale_up_from_1_to_3_replicas_loads_the_new_ones_from_the_first(
+    serve_example: ModuleType,
+    tiny_llama: Path,
+    ray_cluster: Any,
+    unused_port: int,
+    no_leaks: Any,
+) -> None:
+    url, app = f"http://127.0.0.1:{unused_port}/", "rayload-scale"
+    state = ray_cluster.state_address
+    serve.start(http_options={"host": "127.0.0.1", "port": unused_port})
+    stop, statuses = threading.Event(), []
+    try:
+        built = serve_example.build_app(
+            {"checkpoint": str(tiny_llama), "tp": "2", "max_replicas": "3"}
+        )
+        handle = serve.run(built, name=app, route_prefix="/")
+        first = handle.load_report.remote().result()
+        assert [r["method"]["effective"] for r in first["ranks"]] == ["scratch"] * 2
+        assert all(r["bytes_from_storage"] > 0 for r in first["ranks"])
+
+        # Requests waiting behind the one forward a replica runs at a time: Serve scales up.
+        clients = [
+            threading.Thread(target=_post_until, args=(url, stop, statuses)) for _ in range(4)
+        ]
+        for client in clients:
+            client.start()
+        deadline = time.monotonic() + 90
+        while _running_replicas(app) < 3:
+            assert time.monotonic() < deadline, f"not scaled up: {serve.status()}"
+            time.sleep(0.5)
+        stop.set()
+        for client in clients:
+            client.join(timeout=60)
+        assert statuses and set(statuses) == {200}
+
+        reports = {first["serve_replica"]: first}
+        for _ in range(200):
+            report = handle.load_report.remote().result()
+            reports[report["serve_replica"]] = report
+            if len(reports) == 3:
+                break
+        assert len(reports) == 3
+        new = [r for serve_id, r in reports.items() if serve_id != first["serve_replica"]]
+        for report in new:
+            assert report["peer_key"] == first["peer_key"]
+            assert [r["rank"] for r in report["ranks"]] == [0, 1]
+            for rank in report["ranks"]:
+                assert rank["bytes_from_storage"] == 0, rank
+                assert rank["method"]["effective"] == "peer" and rank["bytes_from_peers"] > 0
+                # from a replica of this app: the first, or the other new one once loaded
+                # (sources spread over the loaded holders by rank)
+                assert rank["source"].startswith(
+                    tuple(f"peer replica={r['replica_id']} " for r in reports.values())
+                )
+        # The new replica that registered first saw only the first loaded: all from it.
+        assert any(
+            all(
+                r["source"].startswith(f"peer replica={first['replica_id']} ")
+                for r in report["ranks"]
+            )
+            for report in new
+        )
+
+        serve.delete(app)
+        deadline = time.monotonic() + 30
+        while left := [x for x in _rank_actors_and_groups(state, no_leaks) if x]:
+            assert time.monotonic() < deadline, f"left after deleting the app: {left}"
+            time.sleep(0.5)
+    finally:
+        stop.set()
         serve.shutdown()
