@@ -8,6 +8,7 @@ import argparse
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -114,11 +115,14 @@ def test_top_level_help_has_no_rst_markup_and_ends_with_the_common_commands(
     # the epilog's line breaks are kept (not re-wrapped), one example command per line
     examples = [line.split()[:2] for line in text.splitlines() if line.startswith("  rayload ")]
     commands = {cmd for _, cmd in examples}
-    assert {"demo", "inspect", "plan", "load", "convert", "make-checkpoint", "bench"} <= commands
+    assert {
+        "demo", "inspect", "plan", "load", "convert", "make-checkpoint", "bench", "directory"
+    } <= commands  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    "command", ["inspect", "plan", "convert", "make-checkpoint", "load", "demo", "bench"]
+    "command",
+    ["inspect", "plan", "convert", "make-checkpoint", "load", "demo", "bench", "directory"],
 )
 def test_command_help_has_no_rst_markup(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     text = _help_of([command], capsys)
@@ -138,3 +142,23 @@ def test_parsing_a_ray_free_command_imports_no_ray() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def test_every_command_and_option_is_in_the_docs() -> None:
+    """Each command and each ``--option`` is written down in docs/ (the contract's command
+    line, or the page that explains it: docs/ray.md for the peer options)."""
+    text = "\n".join(page.read_text() for page in sorted(DOCS.glob("*.md")))
+    missing = [
+        f"{name} {option}"
+        for name, parser in _parsers(build_parser())
+        for action in parser._actions
+        for option in action.option_strings
+        if option.startswith("--") and option != "--help" and option not in text
+    ]
+    missing += [
+        name for name, _ in _parsers(build_parser()) if f"{name} " not in text and " " in name
+    ]
+    assert not missing, f"not in docs/*.md: {missing}"
