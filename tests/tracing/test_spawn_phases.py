@@ -68,3 +68,36 @@ def test_spawn_phases_put_the_cuda_context_inside_actor_init() -> None:
     assert [(c.name, c.start_ns, c.end_ns) for c in init.children] == [
         (schema.SPAWN_CUDA_CONTEXT_SPAN, 830, 950)
     ]
+
+
+def test_spawn_phases_put_torch_child_imports_inside_its_import_clipped() -> None:
+    # The first child starts before torch's import (clock error) and the last ends after.
+    children = [
+        ("torch", "torch._C", 290, 450),
+        ("torch", "torch.functional", 460, 600),
+        ("torch", "torch.export", 610, 720),
+        ("rayload", "rayload.loading", 710, 790),
+    ]
+    times = SpawnTimes(
+        process_start_ns=100, imports=IMPORTS, init_start_ns=820, import_children=children
+    )
+    imports = spawn_phases(0, 1000, times)[2]
+    torch_import, rayload_import = imports.children
+    assert [(c.name, c.start_ns, c.end_ns, c.attributes) for c in torch_import.children] == [
+        ("rayload.spawn.import.torch._C", 300, 450, {"module": "torch._C"}),
+        ("rayload.spawn.import.torch.functional", 460, 600, {"module": "torch.functional"}),
+        ("rayload.spawn.import.torch.export", 610, 700, {"module": "torch.export"}),
+    ]
+    assert [c.name for c in rayload_import.children] == ["rayload.spawn.import.rayload.loading"]
+    assert torch_import.attributes == {"package": "torch"}
+
+
+def test_spawn_phases_leave_out_child_imports_clipped_to_nothing() -> None:
+    times = SpawnTimes(
+        process_start_ns=100,
+        imports=IMPORTS,
+        init_start_ns=820,
+        import_children=[("torch", "torch._C", 100, 250), ("torch", "torch.nn", 400, 500)],
+    )
+    torch_import = spawn_phases(0, 1000, times)[2].children[0]
+    assert [c.name for c in torch_import.children] == ["rayload.spawn.import.torch.nn"]

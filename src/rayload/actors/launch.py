@@ -215,6 +215,10 @@ def _spawn_times(info: ActorInfo, offset: int) -> SpawnTimes:
     return SpawnTimes(
         process_start_ns=None if info.process_start_ns is None else info.process_start_ns - offset,
         imports=[(package, a - offset, b - offset) for package, a, b in info.imports],
+        import_children=[
+            (package, module, a - offset, b - offset)
+            for package, module, a, b in info.import_children
+        ],
         init_start_ns=info.init_start_ns - offset,
         cuda_context=None
         if info.cuda_context is None

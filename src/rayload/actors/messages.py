@@ -56,8 +56,11 @@ class ActorInfo:
     corrects them with the measured clock offset. ``process_start_ns`` is when the worker
     process was launched; Ray may reuse a pre-started worker, so it can precede the spawn.
     ``imports`` are ``(package, start_ns, end_ns)`` of the actor module's imports (see
-    ``rank_actor.IMPORT_TIMES``); ``cuda_context`` is when ``__init__`` created the CUDA
-    context, None with the reason in ``cuda_skipped`` when it did not (no GPU).
+    ``rank_actor.IMPORT_TIMES``); ``import_children`` are ``(package, module, start_ns,
+    end_ns)`` of the modules a package's import imported directly (torch's: see
+    ``rayload.import_clock.TORCH_CHILD_IMPORTS``); ``cuda_context`` is when ``__init__``
+    created the CUDA context, None with the reason in ``cuda_skipped`` when it did not (no
+    GPU).
     """
 
     rank: int
@@ -70,6 +73,7 @@ class ActorInfo:
     init_end_ns: int
     process_start_ns: int | None
     imports: tuple[tuple[str, int, int], ...] = ()
+    import_children: tuple[tuple[str, str, int, int], ...] = ()
     cuda_context: tuple[int, int] | None = None
     cuda_skipped: str | None = None
 

@@ -44,7 +44,7 @@ from rayload.actors.messages import (
 )
 from rayload.actors.peers import PEER_GROUP, PeerExport, RayPeerSource, ShardExport
 from rayload.actors.process_group import free_port, join_process_group, leave_process_group
-from rayload.import_clock import IMPORT_START_NS, TORCH_IMPORTED_NS
+from rayload.import_clock import IMPORT_START_NS, TORCH_CHILD_IMPORTS, TORCH_IMPORTED_NS
 from rayload.loading import load_rank
 from rayload.loading.model import ModelContext, build_and_fill, engine_phases
 from rayload.loading.probe import EnvProbe, probe_environment
@@ -68,6 +68,13 @@ rayload: ``import rayload`` first times torch on its own, then the rest of the p
 (``rayload.loading``: numpy, safetensors headers, pydantic); this module then imports
 OpenTelemetry (the rank's spans) and the actor's own modules. The driver turns them into
 the ``rayload.spawn.import.<package>`` spans."""
+
+IMPORT_CHILDREN: tuple[tuple[str, str, int, int], ...] = tuple(
+    ("torch", module, a, b) for module, a, b in TORCH_CHILD_IMPORTS
+)
+"""``(package, module, start_ns, end_ns)`` of the modules torch's import imported directly
+(see :data:`rayload.import_clock.TORCH_CHILD_IMPORTS`): the children of
+``rayload.spawn.import.torch``."""
 
 del opentelemetry, trace_encoder  # imported above only to time them
 
@@ -133,6 +140,10 @@ class RankActor:
             process_start_ns=self._process_start_ns(),
             imports=tuple(
                 (name, a + self._skew_ns, b + self._skew_ns) for name, a, b in IMPORT_TIMES
+            ),
+            import_children=tuple(
+                (package, module, a + self._skew_ns, b + self._skew_ns)
+                for package, module, a, b in IMPORT_CHILDREN
             ),
             cuda_context=cuda_context,
             cuda_skipped=cuda_skipped,

@@ -10,7 +10,9 @@ Ray. A spawn runs, in order::
 Every boundary is clamped into the spawn and kept in order (a rank's times carry the
 clock offset's error, up to half its round trip), and an empty phase is left out: a
 worker Ray had started before the spawn gives no ``process_start``, and its
-``worker_wait`` lasts until the actor's module began importing.
+``worker_wait`` lasts until the actor's module began importing. A package's import has
+children of its own where they were timed (torch's direct child imports:
+``rayload.spawn.import.torch._C``, ...), clipped into it.
 """
 
 from __future__ import annotations
@@ -37,13 +39,16 @@ class SpawnPhase:
 class SpawnTimes:
     """A rank actor's own start-up times, on the driver's clock (None: not measured).
 
-    ``imports`` are ``(package, start_ns, end_ns)`` in import order; ``cuda_context`` is
-    ``(start_ns, end_ns)`` of the CUDA context creation in ``__init__``."""
+    ``imports`` are ``(package, start_ns, end_ns)`` in import order; ``import_children``
+    are ``(package, module, start_ns, end_ns)`` of the modules a package's import imported
+    directly, in order, not overlapping; ``cuda_context`` is ``(start_ns, end_ns)`` of the
+    CUDA context creation in ``__init__``."""
 
     process_start_ns: int | None
     imports: Sequence[tuple[str, int, int]]
     init_start_ns: int
     cuda_context: tuple[int, int] | None = None
+    import_children: Sequence[tuple[str, str, int, int]] = ()
 
 
 def spawn_phases(start_ns: int, end_ns: int, times: SpawnTimes) -> tuple[SpawnPhase, ...]:
@@ -72,9 +77,7 @@ def spawn_phases(start_ns: int, end_ns: int, times: SpawnTimes) -> tuple[SpawnPh
     if times.imports:
         imports_start = cursor
         children = [
-            SpawnPhase(
-                schema.SPAWN_IMPORT_PREFIX + package, until(a), until(b), {"package": package}
-            )
+            _import_phase(package, until(a), until(b), times.import_children)
             for package, a, b in times.imports
         ]
         phases.append(
@@ -96,6 +99,31 @@ def spawn_phases(start_ns: int, end_ns: int, times: SpawnTimes) -> tuple[SpawnPh
         )
     )
     return _kept(phases)
+
+
+def _import_phase(
+    package: str, start_ns: int, end_ns: int, children: Sequence[tuple[str, str, int, int]]
+) -> SpawnPhase:
+    """``rayload.spawn.import.<package>`` from ``start_ns`` to ``end_ns``, with the
+    ``rayload.spawn.import.<module>`` of its direct child imports clipped into it."""
+    return SpawnPhase(
+        schema.SPAWN_IMPORT_PREFIX + package,
+        start_ns,
+        end_ns,
+        {"package": package},
+        children=_kept(
+            [
+                SpawnPhase(
+                    schema.SPAWN_IMPORT_PREFIX + module,
+                    min(max(a, start_ns), end_ns),
+                    min(max(b, start_ns), end_ns),
+                    {"module": module},
+                )
+                for parent, module, a, b in children
+                if parent == package
+            ]
+        ),
+    )
 
 
 def _kept(phases: Sequence[SpawnPhase]) -> tuple[SpawnPhase, ...]:
