@@ -48,6 +48,8 @@ class _TimedLoader:
         self._timer = timer
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_loader":  # not set yet (a copy being built): no recursion
+            raise AttributeError(name)
         return getattr(self._loader, name)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
