@@ -26,7 +26,7 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,18 @@ log = logging.getLogger(__name__)
 
 NODE_RESOURCE = "peerbench_node_"
 """Prefix of the custom resource that names worker node ``i`` (``peerbench_node_<i>``)."""
+
+ROOM_CPUS = 0.025
+"""Logical CPUs left free on each worker node: room for one replica of TP 2 at rayload's
+0.01 CPU per rank and no second one, so Ray must put the replicas of one load on
+different nodes (with whole CPUs free it packed two on one node in run
+``bench-2026-12-02T003221``). Ray wants whole CPUs per node, so each node has 1 and a
+placement group holds the rest (:func:`local_cluster`). Logical only: Ray does not cap
+real CPU use."""
+
+PINNED_BUNDLE_CPUS = 0.004
+"""CPU of each bundle of a :func:`pinned_loader` group: two such loads (holder and
+receiver) fit on one node."""
 
 EXACT_SHAPE = LlamaShape(
     vocab_size=1024,
@@ -108,13 +120,22 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
     return sorted(str(p) for p in Path(path).glob("*.safetensors"))
 
 
+@dataclass(frozen=True)
+class LocalCluster:
+    """The running ``ray.cluster_utils.Cluster`` and the ids of the placement groups that
+    hold each worker node's CPUs beyond :data:`ROOM_CPUS`."""
+
+    cluster: Any
+    reserved: tuple[str, ...]
+
+
 @contextmanager
-def local_cluster(
-    nodes: int, *, object_store_bytes: int = 1 << 30, cpus_per_node: int = 2
-) -> Iterator[Any]:
+def local_cluster(nodes: int, *, object_store_bytes: int = 1 << 30) -> Iterator[LocalCluster]:
     """A head without CPUs (nothing is scheduled on it) and ``nodes`` worker nodes, each
-    ``cpus_per_node`` CPUs, its own object store and resource ``peerbench_node_<i>``; this
-    process connected to it. Shut down (directory included) on exit."""
+    with :data:`ROOM_CPUS` logical CPUs free (room for one TP=2 replica; a placement group
+    per node, listed in :attr:`LocalCluster.reserved`, holds the rest of its 1 CPU), its
+    own object store and resource ``peerbench_node_<i>``; this process connected to it.
+    Shut down (directory included) on exit."""
     from ray.cluster_utils import Cluster
 
     from rayload.actors.directory import stop_directory
@@ -126,18 +147,28 @@ def local_cluster(
     try:
         for i in range(nodes):
             cluster.add_node(
-                num_cpus=cpus_per_node,
+                num_cpus=1,
                 object_store_memory=object_store_bytes,
                 resources={f"{NODE_RESOURCE}{i}": 1},
             )
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.ERROR)
-        yield cluster
+        reserved = tuple(_reserve(i, 1 - ROOM_CPUS) for i in range(nodes))
+        yield LocalCluster(cluster, reserved)
     finally:
         if ray.is_initialized():
             stop_directory()
             ray.shutdown()
         cluster.shutdown()
+
+
+def _reserve(node: int, cpus: float) -> str:
+    """Hold ``cpus`` logical CPUs of worker node ``node`` (a placement group); its id."""
+    from ray.util.placement_group import placement_group
+
+    group = placement_group([{"CPU": cpus, f"{NODE_RESOURCE}{node}": 0.001}])
+    ray.get(group.ready(), timeout=60)
+    return str(group.id.hex())
 
 
 def worker_nodes() -> list[str]:
@@ -181,7 +212,7 @@ def pinned_loader(node: int, tp: int) -> Iterator[Any]:
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    bundle = {"CPU": 0.01, f"{NODE_RESOURCE}{node}": 0.01}
+    bundle = {"CPU": PINNED_BUNDLE_CPUS, f"{NODE_RESOURCE}{node}": 0.01}
     group = placement_group([dict(bundle) for _ in range(tp + 1)], strategy="STRICT_PACK")
     ray.get(group.ready(), timeout=120)
     strategy = PlacementGroupSchedulingStrategy(
@@ -189,7 +220,9 @@ def pinned_loader(node: int, tp: int) -> Iterator[Any]:
         placement_group_bundle_index=0,
         placement_group_capture_child_tasks=False,
     )
-    loader = _RemoteLoader.options(scheduling_strategy=strategy, num_cpus=0.01).remote()
+    loader = _RemoteLoader.options(
+        scheduling_strategy=strategy, num_cpus=PINNED_BUNDLE_CPUS
+    ).remote()
     try:
         yield loader
     finally:
@@ -203,49 +236,58 @@ def pinned_loader(node: int, tp: int) -> Iterator[Any]:
 class _Holder:
     """Holds one object in its node's object store, or gets one: the transfer probe."""
 
+    def ready(self) -> bool:
+        return True
+
     def put(self, nbytes: int) -> list[Any]:
         import numpy as np
 
         self._data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
         return [ray.put(self._data)]
 
-    def get(self, refs: list[Any]) -> float:
-        start = time.perf_counter()
-        data = ray.get(refs[0])
-        seconds = time.perf_counter() - start
+    def get(self, refs: list[Any]) -> tuple[float, float]:
+        """Get the object and copy it into new memory, as a receiving rank does; the
+        wall-clock start and end (s)."""
+        import numpy as np
+
+        start = time.time()
+        data = np.array(ray.get(refs[0]), copy=True)
+        end = time.time()
         del data
-        return seconds
+        return start, end
 
 
 _RemoteHolder: Any = ray.remote(num_cpus=0)(_Holder)
 
 
 def transfer_rates(nbytes: int = 128 << 20, *, pulls: int = 3) -> dict[str, float]:
-    """Ray's object store in this cluster, measured now (MB/s): one ``nbytes`` object put
-    on node 0 and got on node 0 (shared memory), on node 1 (one pull between nodes), and
-    on nodes 1..``pulls`` at once (aggregate)."""
+    """Ray's object store in this cluster, measured now (MB/s, get + copy into new memory,
+    timed inside the getting actors, which are started before): one ``nbytes`` object
+    put on node 0 and got on node 0 (shared memory), on node 1 (one pull between nodes),
+    and on nodes 2.. (up to ``pulls``) at once (aggregate: all bytes over first start to
+    last end)."""
 
     def on(node: int) -> Any:
         return _RemoteHolder.options(resources={f"{NODE_RESOURCE}{node}": 0.001}).remote()
 
-    source = on(0)
-    refs = ray.get(source.put.remote(nbytes))
-    rates: dict[str, float] = {}
-    local = on(0)
-    rates["same_node_get_MBps"] = nbytes / 1e6 / ray.get(local.get.remote(refs))
-    one = on(1)
-    rates["cross_node_pull_MBps"] = nbytes / 1e6 / ray.get(one.get.remote(refs))
-    many_nodes = list(range(2, 2 + pulls))
     available = len(worker_nodes())
-    many = [on(n) for n in many_nodes if n < available]
+    actors = [on(n) for n in range(min(available, 2 + pulls))]
+    ray.get([a.ready.remote() for a in actors])
+    refs = ray.get(actors[0].put.remote(nbytes))
+    local = on(0)
+    ray.get(local.ready.remote())
+
+    def rate(spans: list[tuple[float, float]]) -> float:
+        return len(spans) * nbytes / 1e6 / (max(e for _, e in spans) - min(s for s, _ in spans))
+
+    rates: dict[str, float] = {}
+    rates["same_node_get_MBps"] = rate([ray.get(local.get.remote(refs))])
+    rates["cross_node_pull_MBps"] = rate([ray.get(actors[1].get.remote(refs))])
+    many = actors[2:]
     if len(many) >= 2:
-        start = time.perf_counter()
-        ray.get([m.get.remote(refs) for m in many])
         rates["cross_node_pulls_at_once"] = len(many)
-        rates["cross_node_aggregate_MBps"] = (
-            len(many) * nbytes / 1e6 / (time.perf_counter() - start)
-        )
-    for actor in (source, local, one, *many):
+        rates["cross_node_aggregate_MBps"] = rate(ray.get([m.get.remote(refs) for m in many]))
+    for actor in (*actors, local):
         ray.kill(actor)
     return rates
 

@@ -300,6 +300,14 @@ def load_figures(trace_dir: Path, ranks: list[dict[str, Any]]) -> dict[str, Any]
         else None,
         "replica_nodes": [nodes[i] for i in sorted(nodes)],
         "rank_phases_s": _slowest_phases(spans),
+        "rank_read_s": {
+            f"{s['resource'].get(schema.REPLICA, 0)}/{s['attributes'][schema.RANK]}": round(
+                (s["end_ns"] - s["start_ns"]) / 1e9, 4
+            )
+            for s in spans
+            if s["name"] == "rank.read"
+        },
+        "rank_sources": {f"{r.get('replica', 0)}/{r['rank']}": r.get("source") for r in ranks},
         "effective": sorted({str(r["method"]["effective"]) for r in ranks}),
         "sources": sorted({str(r.get("source", "")).split(" node=")[0] for r in ranks}),
     }
