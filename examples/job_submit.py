@@ -14,6 +14,9 @@ Inside the job ``rayload.load`` joins the job's cluster (``RAY_ADDRESS`` is set 
 gives every rank its part of rayload's reference TP model (``model=build_model``, one
 ``torch.distributed`` group over the ranks); the line holds the load's trace id, ranks and
 metrics, and ``top5``: the ids of the 5 highest next-token logits after ``--token-ids``.
+``--replicas N`` loads N copies of the TP group: replica 0 reads storage, the others
+receive its shards through Ray's object store (their ranks' ``source`` says from whom);
+every replica runs the forward, ``top5`` is replica 0's.
 Without ``--checkpoint`` the job writes a tiny generated Llama (float32) to a temp dir on
 the node that runs the job's driver: fine on one node; on several nodes pass a path every
 node can read (shared storage).
@@ -49,6 +52,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", help="checkpoint directory (default: generate one)")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--replicas", type=int, default=1, help="copies of the TP group")
     parser.add_argument(
         "--token-ids",
         type=int,
@@ -60,11 +64,14 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = args.checkpoint or write_checkpoint(Path(tmp) / "tiny-llama", dtype="f32")
-        with rayload.load(path, args.tp, device=args.device, model=build_model) as result:
+        with rayload.load(
+            path, args.tp, device=args.device, model=build_model, replicas=args.replicas
+        ) as result:
             top5 = result.apply(next_token_top5, args.token_ids)[0]
             summary = {
                 "trace_id": result.trace_id,
                 "tp_size": result.tp_size,
+                "replica_ids": result.replica_ids,
                 "ranks": [report.to_dict() for report in result.ranks],
                 "startup_metrics": result.startup_metrics,
                 "top5": top5,
