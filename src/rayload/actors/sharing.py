@@ -10,8 +10,9 @@ directory on the spot.
 
 For rank ``r`` the source is, in order of preference: a holder that has finished loading,
 one whose rank ``r`` is on the same node (a pull from local shared memory), then spread
-over the holders by rank. A directory that cannot be reached is one warning and no peers:
-the load reads storage.
+over the loaded holders by receiver and rank; among holders still loading, the oldest
+(the one reading storage, not one that is itself receiving). A directory that cannot be
+reached is one warning and no peers: the load reads storage.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -159,12 +161,17 @@ def choose_sources(
     if not holders:
         return ()
     sources: list[PeerRef | None] = []
+    spread = zlib.crc32(entry.replica.encode())
     for rank in range(entry.tp_size):
 
         def preference(i: int, rank: int = rank) -> tuple[bool, bool, int]:
             holder = holders[i]
+            loaded = holder.state == "loaded"
             same_node = holder.nodes[rank] is not None and holder.nodes[rank] == entry.nodes[rank]
-            return holder.state != "loaded", not same_node, (i - rank) % len(holders)
+            # Loaded holders: spread by receiver and rank. Holders still loading: the
+            # oldest, which reads storage; a later one would be receiving itself.
+            order = (i + rank + spread) % len(holders) if loaded else i
+            return not loaded, not same_node, order
 
         holder = holders[min(range(len(holders)), key=preference)]
         sources.append(

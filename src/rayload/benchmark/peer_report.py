@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from rayload.loading.report import READ
+
 _MB = 1e6
 
 
@@ -184,7 +186,7 @@ def targets_jsonable(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _read_s(row: dict[str, Any]) -> str:
-    seconds = row.get("rank_phases_s", {}).get("rank.read")
+    seconds = row.get("rank_phases_s", {}).get(READ)
     return "-" if seconds is None else f"{seconds:.2f}"
 
 

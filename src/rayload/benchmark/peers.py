@@ -270,8 +270,12 @@ class _Runner:
 def load_figures(trace_dir: Path, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """What one load's written trace and rank reports say: rchar by replica and rank,
     bytes from storage and peers, weight population, spawn, each replica's nodes."""
+    from rayload.loading.report import READ
     from rayload.tracing import schema
 
+    # The driver's steps before it dispatches the ranks' loads: the last to end is the
+    # start of the weight population.
+    dispatch_after = (schema.PEERS_SPAN, schema.CLOCK_SYNC_SPAN, schema.SPAWN_SPAN)
     spans = read_spans(trace_dir)
     loads = [s for s in spans if s["name"] == schema.RANK_SPAN]
     rchar = {
@@ -280,7 +284,7 @@ def load_figures(trace_dir: Path, ranks: list[dict[str, Any]]) -> dict[str, Any]
         )
         for s in loads
     }
-    dispatch = max(s["end_ns"] for s in spans if s["name"] in _DISPATCH_AFTER)
+    dispatch = max(s["end_ns"] for s in spans if s["name"] in dispatch_after)
     spawn = [s for s in spans if s["name"] == schema.SPAWN_SPAN]
     nodes: dict[int, list[str | None]] = {}
     for r in ranks:
@@ -305,7 +309,7 @@ def load_figures(trace_dir: Path, ranks: list[dict[str, Any]]) -> dict[str, Any]
                 (s["end_ns"] - s["start_ns"]) / 1e9, 4
             )
             for s in spans
-            if s["name"] == "rank.read"
+            if s["name"] == READ
         },
         "rank_sources": {f"{r.get('replica', 0)}/{r['rank']}": r.get("source") for r in ranks},
         "effective": sorted({str(r["method"]["effective"]) for r in ranks}),
@@ -322,11 +326,6 @@ def _slowest_phases(spans: list[dict[str, Any]]) -> dict[str, float]:
             seconds = (s["end_ns"] - s["start_ns"]) / 1e9
             out[s["name"]] = round(max(out.get(s["name"], 0.0), seconds), 4)
     return out
-
-
-_DISPATCH_AFTER = ("rayload.peers", "rayload.clock_sync", "rayload.spawn")
-"""The driver's steps before it dispatches the ranks' loads: the last to end is the start
-of the weight population."""
 
 
 def read_spans(trace_dir: Path) -> list[dict[str, Any]]:

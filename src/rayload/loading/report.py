@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from rayload.loading.methods import MethodReport
+from rayload.loading.methods import LoadMethod, MethodReport
 
 RESOLVE = "rank.resolve"
 PLAN = "rank.plan"
@@ -158,8 +158,9 @@ def mixed_method_warnings(reports: Sequence[RankReport]) -> list[str]:
     by_device: dict[str, list[str]] = {}
     several = any(report.replica for report in reports)
     for report in reports:
-        who = f"{report.replica}.{report.rank}" if several else str(report.rank)
-        by_method.setdefault(report.method.effective.value, []).append(who)
+        who = f"{report.replica}/{report.rank}" if several else str(report.rank)
+        if report.method.effective is not LoadMethod.PEER:  # peer beside storage: by design
+            by_method.setdefault(report.method.effective.value, []).append(who)
         by_device.setdefault(report.device, []).append(who)
     if len(by_method) > 1:
         warnings.append(f"ranks loaded with different methods: {_groups(by_method)}")
@@ -179,7 +180,8 @@ def mixed_method_warnings(reports: Sequence[RankReport]) -> list[str]:
 
 
 def _groups(ranks_by_value: dict[str, list[str]]) -> str:
-    """``scratch on ranks [0, 1]; peer on ranks [2]`` (``replica.rank`` with replicas)."""
+    """``scratch on ranks [0, 1]; converted on ranks [2]`` (``replica/rank`` with
+    replicas)."""
     return "; ".join(
         f"{value} on ranks [{', '.join(ranks)}]" for value, ranks in ranks_by_value.items()
     )

@@ -206,7 +206,7 @@ def format_metrics_table(metrics: dict[str, Any]) -> str:
     several = any(rank.get("replica") for rank in metrics["ranks"])
     for rank in metrics["ranks"]:
         marker = "*" if rank["rank"] == metrics["slowest_rank"] else ""
-        who = f"{rank.get('replica', 0)}.{rank['rank']}" if several else str(rank["rank"])
+        who = f"{rank.get('replica', 0)}/{rank['rank']}" if several else str(rank["rank"])
         rows.append(
             [
                 f"{who}{marker}",
