@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import NoReturn, TextIO
 
 from rayload.errors import ClusterLostError, ConfigError, RayloadError
@@ -279,14 +280,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     }
     config = BenchConfig(**{**quick, **{k: v for k, v in chosen.items() if v is not None}})
 
-    def progress(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
-    result = run_benchmark(config, progress=progress)
-    paths = write_report(result, args.out)
-    print(paths["md"].read_text())
-    for kind, path in paths.items():
-        progress(f"wrote {kind}: {path}")
+    result = run_benchmark(config, progress=_bench_progress)
+    _show_report(write_report(result, args.out))
     for problem in result["consistency"]:
         print(f"rayload: error: {problem}", file=sys.stderr)
     return 1 if result["consistency"] else 0
@@ -308,15 +303,20 @@ def _bench_peers(args: argparse.Namespace) -> int:
     chosen = {k: v for k, v in chosen.items() if v is not None}
     config = PeerBenchConfig.quick(**chosen) if args.quick else PeerBenchConfig(**chosen)
 
-    def progress(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
+    result = run_peer_benchmark(config, progress=_bench_progress)
+    _show_report(write_peer_report(result, args.out))
+    return 0
 
-    result = run_peer_benchmark(config, progress=progress)
-    paths = write_peer_report(result, args.out)
+
+def _bench_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _show_report(paths: dict[str, Path]) -> None:
+    """A bench report: its markdown on stdout, where each file went on stderr."""
     print(paths["md"].read_text())
     for kind, path in paths.items():
-        progress(f"wrote {kind}: {path}")
-    return 0
+        _bench_progress(f"wrote {kind}: {path}")
 
 
 _PROCESS_GROUPS = (*PROCESS_GROUPS, "none")
