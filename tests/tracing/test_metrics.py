@@ -232,8 +232,12 @@ def test_publish_ray_metrics_reach_ray_prometheus_endpoint() -> None:
     ray = pytest.importorskip("ray")
     own_cluster = not ray.is_initialized()
     if own_cluster:
-        ray.init(
-            num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR
+        ray.init(  # its own Ray, even where `ray start` recorded a cluster on this machine
+            address="local",
+            num_cpus=1,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
         )
     try:
         publish_ray_metrics(_metrics())
@@ -277,3 +281,16 @@ def _scrape_rayload_series(port: int, *, expected: int, timeout_s: float = 60.0)
             return lines
         time.sleep(1.0)
     return lines
+
+
+def test_replicas_are_rows_of_their_own_and_only_the_slowest_is_marked() -> None:
+    from dataclasses import replace
+
+    fast = _report(1, {"rank.read": 1.0})
+    slow = replace(_report(1, {"rank.read": 5.0}), replica=1)
+    reports = [_report(0, {"rank.read": 1.0}), fast, replace(_report(0, {}), replica=1), slow]
+    metrics = startup_metrics(reports, placement_seconds=0.0, actor_startup_seconds={})
+    assert [(r["replica"], r["rank"]) for r in metrics["ranks"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    rows = format_metrics_table(metrics).splitlines()
+    marked = [row.split()[0] for row in rows if row.split() and row.split()[0].endswith("*")]
+    assert marked == ["1/1*"]

@@ -194,6 +194,14 @@ def _seconds(value: float) -> float:
 _PHASE_COLUMNS = tuple(name.removeprefix("rank.") for name in PHASES)
 
 
+def _slowest_entry(metrics: dict[str, Any]) -> dict[str, Any] | None:
+    """The per-rank entry the table marks: of the ranks numbered ``slowest_rank`` (one per
+    replica), the one with the longest total."""
+    total = metric_key(TOTAL, metrics["model_role"])
+    candidates = [r for r in metrics["ranks"] if r["rank"] == metrics["slowest_rank"]]
+    return max(candidates, key=lambda r: r[total] or 0.0, default=None)
+
+
 def format_metrics_table(metrics: dict[str, Any]) -> str:
     """A fixed-width rank x phase table of :func:`startup_metrics` output, in seconds.
 
@@ -204,8 +212,9 @@ def format_metrics_table(metrics: dict[str, Any]) -> str:
     header = ["rank", "method", "actor", *_PHASE_COLUMNS, "total", "GB", "peer_GB", "GB/s"]
     rows: list[list[str]] = []
     several = any(rank.get("replica") for rank in metrics["ranks"])
+    slowest = _slowest_entry(metrics)
     for rank in metrics["ranks"]:
-        marker = "*" if rank["rank"] == metrics["slowest_rank"] else ""
+        marker = "*" if rank is slowest else ""
         who = f"{rank.get('replica', 0)}/{rank['rank']}" if several else str(rank["rank"])
         rows.append(
             [
