@@ -38,7 +38,7 @@ from rayload.actors.messages import LoadRequest, RankState
 from rayload.actors.process_group import check_process_group
 from rayload.actors.rank_group import RankActorGroup
 from rayload.actors.sharing import PeerSharing, choose_sources, new_replica_id
-from rayload.driver import TraceOutputs, check_replicas, notify, place, release, validate
+from rayload.driver import TraceOutputs, notify, place, release, validate
 from rayload.errors import ConfigError
 from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.identity import peer_key
@@ -47,6 +47,7 @@ from rayload.loading.model import ModelContext, ModelFactory
 from rayload.loading.plan import plan_shards
 from rayload.loading.report import mixed_method_warnings
 from rayload.loading.rules import resolve_rules
+from rayload.options import check_replicas
 from rayload.placement import RankPlacement
 from rayload.progress import LoadProgress, ProgressCallback
 from rayload.result import LoadResult, ReloadResult

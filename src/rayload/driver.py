@@ -93,13 +93,6 @@ def validate(
     return source
 
 
-def check_replicas(replicas: object) -> int:
-    """``replicas`` as an int; ConfigError unless it is a positive integer."""
-    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-        raise ConfigError(f"replicas must be a positive integer, got {replicas!r}")
-    return replicas
-
-
 def check_same_plan(loaded: ShardPlan, source: str, request: LoadRequest) -> None:
     """Raise :class:`CheckpointError` naming the first tensor the checkpoint at ``source``
     plans differently from the loaded plan (from its headers: no tensor data read)."""

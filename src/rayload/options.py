@@ -30,9 +30,18 @@ STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
 def check_tp_size(tp_size: object) -> int:
     """``tp_size`` as an int; ConfigError unless it is a positive integer."""
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ConfigError(f"tp_size must be a positive integer, got {tp_size!r}")
-    return tp_size
+    return _positive_int("tp_size", tp_size)
+
+
+def check_replicas(replicas: object) -> int:
+    """``replicas`` as an int; ConfigError unless it is a positive integer."""
+    return _positive_int("replicas", replicas)
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return value
 
 
 def check_rank(rank: object, tp_size: int) -> int:

@@ -205,7 +205,7 @@ class LoadResult:
         except BaseException as exc:
             outputs.write(trace.finish(error=str(exc) or type(exc).__name__))
             raise
-        if self._sharing is not None:
+        if self._sharing is not None and self._sharing.registered:  # else nobody to re-key
             self._sharing.loaded(self.replica_ids, key=self._reload_key(source))
         warnings = mixed_method_warnings(ranks)
         metrics = startup_metrics(

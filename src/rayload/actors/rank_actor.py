@@ -47,7 +47,7 @@ from rayload.actors.process_group import free_port, join_process_group, leave_pr
 from rayload.import_clock import IMPORT_START_NS, TORCH_CHILD_IMPORTS, TORCH_IMPORTED_NS
 from rayload.loading import load_rank
 from rayload.loading.model import ModelContext, build_and_fill, engine_phases
-from rayload.loading.probe import EnvProbe, probe_environment
+from rayload.loading.probe import EnvProbe, probe_environment, read_chars
 from rayload.loading.rank import PostLoad, reload_rank
 from rayload.loading.report import PhaseTimer, RankReport
 from rayload.tracing.rank_spans import engine_spans_payload, rank_spans_payload, report_attributes
@@ -474,17 +474,6 @@ def process_start_ns() -> int | None:
     except ImportError:
         return None
     return int(psutil.Process().create_time() * 1e9)
-
-
-def read_chars() -> int | None:
-    """Bytes this process has read through ``read()``-family calls so far (``rchar`` of
-    ``/proc/self/io``: files, pipes and sockets alike, page cache or not); None where the
-    kernel does not say (not Linux)."""
-    try:
-        with open("/proc/self/io", encoding="ascii") as io:
-            return next(int(line.split()[1]) for line in io if line.startswith("rchar:"))
-    except (OSError, StopIteration, ValueError):
-        return None
 
 
 def _cuda_device_count() -> int:

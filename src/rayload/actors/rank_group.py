@@ -1,8 +1,8 @@
 """Driver side of the rank actors: spawn them into their bundles, measure their clocks, load
 every rank in parallel and stop them all.
 
-Nothing here raises for a rank's failure: :meth:`RankActorGroup.spawn` and
-:meth:`RankActorGroup.load` return a :class:`RankFailure` (or None) so the caller can still
+Nothing here raises for a rank's failure: :meth:`RankActorGroup.wait_started` and
+:meth:`RankActorGroup.finish_load` return a :class:`RankFailure` (or None) so the caller can still
 record the trace before it raises :func:`failure_error`. Waits use ``ray.wait`` against one
 deadline, so a dead or hung rank ends the load promptly; they go through
 :func:`rayload.cluster.wait`, which probes the head every second, so a lost cluster raises
@@ -64,7 +64,7 @@ class RankFailure:
 
 @dataclass(frozen=True)
 class GroupLoad:
-    """What :meth:`RankActorGroup.load` got back: every rank that answered (loaded or
+    """What :meth:`RankActorGroup.finish_load` got back: every rank that answered (loaded or
     failed), the first failure, and when the load was dispatched (driver clock)."""
 
     outcomes: Mapping[int, RankOutcome]
@@ -102,11 +102,6 @@ class RankActorGroup:
             return self.infos[rank].node_id
         return self.placed_nodes.get(rank)
 
-    def spawn(self, *, deadline: float) -> RankFailure | None:
-        """Start every rank's actor in its bundle, all at once, and wait until each is
-        ready (or one fails, or ``deadline``, a ``time.monotonic()`` value, passes)."""
-        return self.wait_started(self.start(), deadline=deadline)
-
     def start(self) -> dict[Any, int]:
         """Start every rank's actor without waiting; the refs of their ``ready`` calls,
         for :meth:`wait_started` (several groups then start at once)."""
@@ -134,7 +129,8 @@ class RankActorGroup:
         return waiting
 
     def wait_started(self, waiting: dict[Any, int], *, deadline: float) -> RankFailure | None:
-        """Wait for the actors :meth:`start` started (see :meth:`spawn`)."""
+        """Wait until every actor :meth:`start` started is ready (or one fails, or
+        ``deadline``, a ``time.monotonic()`` value, passes)."""
 
         def on_ready(rank: int, info: ActorInfo) -> None:
             self.infos[rank] = info
@@ -193,18 +189,6 @@ class RankActorGroup:
         end = self.infos[rank].init_end_ns - offset
         return start, min(max(end, start), received)
 
-    def load(
-        self,
-        request: LoadRequest,
-        *,
-        deadline: float,
-        on_rank_done: Callable[[RankOutcome], None] | None = None,
-    ) -> GroupLoad:
-        """Load every rank in parallel; stop at the first failure or at ``deadline``."""
-        return self.finish_load(
-            self.start_load(request), deadline=deadline, on_rank_done=on_rank_done
-        )
-
     def start_load(self, request: LoadRequest) -> tuple[dict[Any, int], int]:
         """Dispatch every rank's load without waiting (several groups then load at once):
         the refs to wait for and when they were dispatched, for :meth:`finish_load`."""
@@ -220,7 +204,8 @@ class RankActorGroup:
         deadline: float,
         on_rank_done: Callable[[RankOutcome], None] | None = None,
     ) -> GroupLoad:
-        """Wait for the loads :meth:`start_load` dispatched (see :meth:`load`)."""
+        """Wait for the loads :meth:`start_load` dispatched; stop at the first failure or
+        at ``deadline``."""
         waiting, dispatch_ns = started
         outcomes: dict[int, RankOutcome] = {}
 
@@ -241,7 +226,7 @@ class RankActorGroup:
 
     def reload(self, request: LoadRequest, *, deadline: float) -> GroupLoad:
         """Reload every rank in parallel into its resident tensors (``RankActor.reload``).
-        Unlike :meth:`load`, a rank that fails does not end the wait: every rank's outcome
+        Unlike :meth:`finish_load`, a rank that fails does not end the wait: every rank's outcome
         is collected (until ``deadline``), so each says what it overwrote; ``failure`` is
         the first failed rank by rank order."""
         dispatch_ns = time.time_ns()

@@ -21,6 +21,8 @@ import mmap
 import os
 from collections.abc import Iterable
 
+from rayload.loading.probe import read_chars
+
 log = logging.getLogger(__name__)
 
 _PAGE = mmap.PAGESIZE
@@ -43,11 +45,10 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 def rchar() -> int:
     """Bytes this process has received from read-like system calls so far."""
-    with open("/proc/self/io", "rb") as f:
-        for line in f:
-            if line.startswith(b"rchar:"):
-                return int(line.split()[1])
-    raise RuntimeError("/proc/self/io has no rchar line")
+    read = read_chars()
+    if read is None:
+        raise RuntimeError("/proc/self/io has no rchar line")
+    return read
 
 
 def _status_kb(field: str) -> int:

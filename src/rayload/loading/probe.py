@@ -174,3 +174,14 @@ def _registered_copier_types() -> tuple[str, ...]:
         return ()
     table = getattr(registry, "_copier_registry", None)
     return tuple(sorted(table)) if isinstance(table, dict) else ()
+
+
+def read_chars() -> int | None:
+    """Bytes this process has read through ``read()``-family calls so far (``rchar`` of
+    ``/proc/self/io``: files, pipes and sockets alike, page cache or not); None where the
+    kernel does not say (not Linux)."""
+    try:
+        with open("/proc/self/io", encoding="ascii") as io:
+            return next(int(line.split()[1]) for line in io if line.startswith("rchar:"))
+    except (OSError, StopIteration, ValueError):
+        return None
