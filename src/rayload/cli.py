@@ -566,7 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="data-parallel copies of the TP group, a placement group each; replica 0 reads "
-        "storage, the others receive its bytes through Ray's object store (default: "
+        "storage, the others receive its bytes from it over torch.distributed (gloo) (default: "
         "%(default)s)",
     )
     p.add_argument(

@@ -1,4 +1,4 @@
-"""The ``peer`` method without Ray: a rank copies its shards from an in-process source
+"""The ``peer`` method without Ray: a rank receives its shards from an in-process source
 (``support.peers.TensorPeer``, serving tensors a storage load produced), bit for bit, and
 reads storage instead, reported as a fallback, whenever the source fails."""
 
@@ -126,7 +126,10 @@ FAULTS = {
         {"fail_after": 3, "error": ConnectionResetError("object store lost")},
         "ConnectionResetError: object store lost",
     ),
-    "sends a wrong length": ({"short": "model.norm.weight"}, "for tensor 'model.norm.weight'"),
+    "holds a wrong length": (
+        {"short": "model.norm.weight"},
+        "its tensor 'model.norm.weight' has",
+    ),
     "omits a tensor": ({"omit": "lm_head.weight"}, "without sending 1 of the"),
     "sends an unknown tensor": ({"extra": "model.bogus"}, "'model.bogus', which rank 1's plan"),
 }
@@ -174,7 +177,7 @@ def test_failing_peer_under_strict_raises_method_unavailable(llama: Path) -> Non
 
 def test_fetch_that_raises_when_called_falls_back(llama: Path) -> None:
     class Refusing(TensorPeer):
-        def fetch(self, plan):  # type: ignore[no-untyped-def]
+        def fetch(self, plan, destinations):  # type: ignore[no-untyped-def]
             raise PeerUnavailable("the holder replica was shut down")
 
     tensors, _ = _storage(llama)
@@ -185,19 +188,19 @@ def test_fetch_that_raises_when_called_falls_back(llama: Path) -> None:
 
 def test_receive_shards_closes_the_peer_iterator_when_it_fails(llama: Path) -> None:
     closed = []
-    peer = _holder(llama, short="model.norm.weight")
+    peer = _holder(llama, extra="model.bogus")
     inner = peer.fetch
 
-    def fetch(plan):  # type: ignore[no-untyped-def]
+    def fetch(plan, destinations):  # type: ignore[no-untyped-def]
         try:
-            yield from inner(plan)
+            yield from inner(plan, destinations)
         finally:
             closed.append(True)
 
     peer.fetch = fetch  # type: ignore[method-assign]
     plan = plan_shards(llama, TP).ranks[1]
     destinations = [torch.empty(s.nbytes, dtype=torch.uint8) for s in plan.shards]
-    with pytest.raises(PeerUnavailable, match=r"model\.norm\.weight"):
+    with pytest.raises(PeerUnavailable, match=r"model\.bogus"):
         receive_shards(plan, peer, destinations)
     assert closed == [True]
 
@@ -274,3 +277,20 @@ def test_peer_load_onto_cuda_is_bit_identical_to_storage(mixed_dtype_checkpoint:
     _assert_equal(tensors, expected)
     _, fell_back = load_rank(path, 1, TP, "peer", "cuda", peer=_holder(path, fail_after=1))
     assert fell_back.method.effective is not LoadMethod.PEER
+
+
+# --- the channel's buckets ----------------------------------------------------------------
+
+
+def test_buckets_pack_small_tensors_send_large_ones_alone_and_skip_empty_ones() -> None:
+    from rayload.actors.peers import buckets
+
+    sizes = [1, 2, 0, 10, 3, 3, 3, 5]
+    runs = buckets(sizes, limit=5)
+    assert runs == [[0, 1], [3], [4], [5], [6], [7]]
+    # Every non-empty tensor is sent exactly once, in order, and no run is over the limit
+    # unless it is one tensor of the limit or more.
+    assert [i for run in runs for i in run] == [i for i, n in enumerate(sizes) if n]
+    assert all(sum(sizes[i] for i in run) <= 5 or len(run) == 1 for run in runs)
+    assert buckets([4, 1, 1], limit=6) == [[0, 1, 2]]
+    assert buckets([0, 0], limit=5) == []

@@ -1,5 +1,5 @@
 """The ``peer`` load method on a real Ray cluster: replicas that hold a checkpoint's shards
-give them to new replicas through Ray's object store, found through the peer directory.
+send them to new replicas over a two-rank gloo group, found through the peer directory.
 
 Bytes are compared tensor by tensor (SHA-256 of each resident tensor's bytes, on the
 ranks) against replicas that read storage; storage reads are the ranks' own ``rchar``
@@ -142,9 +142,10 @@ def test_replicas_started_together_read_each_byte_from_storage_once(
 def test_holder_killed_mid_transfer_receiver_completes_from_storage(
     tiny_llama: Path, no_leaks: Any, set_test_hooks: Callable[..., None]
 ) -> None:
-    set_test_hooks(peer_chunk_bytes=1 << 16)  # several chunks from a tiny checkpoint
+    # The holder packs a tiny checkpoint into several buckets, pausing after the first.
+    set_test_hooks(peer_pause_s={"0": 4}, peer_bucket_bytes=1 << 16)
     holder = rayload.load(tiny_llama, 1, device="cpu")
-    set_test_hooks(peer_pause_s={"0": 4})
+    set_test_hooks()
     outcome: dict[str, Any] = {}
 
     def receive() -> None:
@@ -155,7 +156,7 @@ def test_holder_killed_mid_transfer_receiver_completes_from_storage(
     thread = threading.Thread(target=receive)
     thread.start()
     deadline = time.monotonic() + 60
-    while ray.get(holder.actors[0].peer_ping.remote()) == 0:  # the export was handed out
+    while ray.get(holder.actors[0].peer_ping.remote()) == 0:  # no channel opened yet
         assert time.monotonic() < deadline, "the receiver never asked the holder"
         time.sleep(0.05)
     ray.kill(holder.actors[0], no_restart=True)  # mid-transfer: during the pause
@@ -172,9 +173,10 @@ def test_holder_killed_mid_transfer_receiver_completes_from_storage(
 def test_holder_killed_mid_transfer_is_an_error_under_strict(
     tiny_llama: Path, no_leaks: Any, set_test_hooks: Callable[..., None]
 ) -> None:
-    set_test_hooks(peer_chunk_bytes=1 << 16)
+    # The holder packs a tiny checkpoint into several buckets, pausing after the first.
+    set_test_hooks(peer_pause_s={"0": 4}, peer_bucket_bytes=1 << 16)
     holder = rayload.load(tiny_llama, 1, device="cpu")
-    set_test_hooks(peer_pause_s={"0": 4})
+    set_test_hooks()
     raised: list[BaseException] = []
 
     def receive() -> None:

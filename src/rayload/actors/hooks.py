@@ -17,9 +17,10 @@ A fault triggers when the named phase starts:
 for a rank whose node lacks fastsafetensors: ranks that resolve differently, as on a
 cluster of unlike nodes.
 
-``peer_pause_s`` pauses a rank's peer transfer after its first chunk, e.g. ``{"0": 5}``,
-so a test can stop the holder mid-transfer; ``peer_chunk_bytes`` makes the loaded ranks
-export their shards in chunks of that many bytes (several chunks from a small checkpoint).
+``peer_pause_s`` makes a rank, once it holds its shards, pause each send to a receiver
+after the first bucket, e.g. ``{"0": 5}``, so a test can stop the holder mid-transfer;
+``peer_bucket_bytes`` makes the loaded ranks pack their tensors into buckets of that many
+bytes (several buckets from a small checkpoint).
 
 Besides the load phases (``rank.resolve`` ... ``rank.post_load``), ``phase`` may be
 ``actor.init``: the fault then fires in the actor's ``__init__`` (a rank that never starts).
@@ -80,7 +81,7 @@ class TestHooks(BaseModel):
     clock_skew_ns: dict[int, int] = {}
     probe_overrides: dict[int, dict[str, Any]] = {}
     peer_pause_s: dict[int, float] = {}
-    peer_chunk_bytes: int | None = None
+    peer_bucket_bytes: int | None = None
 
     @field_validator("probe_overrides")
     @classmethod

@@ -1,25 +1,27 @@
-"""The Ray transport of the ``peer`` load method: a loaded rank exports its shards to Ray's
-object store, and the same rank of another replica pulls them from there.
+"""The transport of the ``peer`` load method: a loaded rank sends its shards to the same
+rank of another replica over a ``torch.distributed`` process group of two, opened for that
+transfer (gloo over TCP).
 
-Holder side (:class:`ShardExport`, run by the rank actor in its ``peer`` concurrency group,
-so it answers while the actor's main thread loads or runs engine code): once the rank's
-load has finished, its tensors are put into the object store in chunks of about
-:data:`CHUNK_BYTES` (one ``ray.put`` each, the rank actor is their owner) and the chunks'
-refs are handed to every receiver that asks. Receivers on other nodes pull the chunks
-through Ray's object manager, from any node that already holds a copy; receivers on the
-holder's node read them from shared memory. The export is kept while receivers use it
-and dropped when the last says it is done.
+Holder side (:class:`ShardServer`, run by the rank actor in its ``peer`` concurrency group,
+so it answers while the actor's main thread loads or runs engine code): a receiver asks
+for a channel (:meth:`ShardServer.open`); once the rank's load has finished, the holder
+hosts a rendezvous store on a free port of its node and hands back a :class:`PeerChannel`
+(where to meet, and which tensors of how many bytes it will send, in order). A sender
+thread then joins a two-rank gloo group as its rank 0 and broadcasts each tensor; the
+group is gone when the last tensor has left, or when the receiver never came or vanished
+(the group's time-out). Several receivers get several channels, served at once.
 
 Receiver side (:class:`RayPeerSource`, a :class:`~rayload.loading.peer.PeerSource`): asks
-the holder for its export (waiting, within the load's time, while a holder that is itself
+the holder for a channel (waiting, within the load's time, while a holder that is itself
 loading finishes), checks that the holder has exactly the shards of the receiver's plan,
-then yields each tensor's bytes chunk by chunk. Anything Ray raises (the holder's actor
-died, its objects were lost with it, a time-out) becomes
-:class:`~rayload.loading.peer.PeerUnavailable`: the ``peer`` backend then reads storage
-and reports the fallback.
+joins the group as rank 1 and receives each tensor straight into the memory the ``peer``
+backend allocated for it: one copy in all, over the network or loopback, none through
+Ray's object store. Anything that fails (the holder's actor died, its socket closed, a
+time-out, a plan that differs) becomes :class:`~rayload.loading.peer.PeerUnavailable`:
+the ``peer`` backend then reads storage and reports the fallback.
 
-Only CPU memory travels: a holder on a GPU copies each chunk to the host first (no NCCL
-path yet).
+Only CPU memory travels: a holder on a GPU copies each tensor to the host before it sends
+(no NCCL path yet), and the receiver's ``rank.to_device`` moves what arrived.
 """
 
 from __future__ import annotations
@@ -27,32 +29,37 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayError
 
-from rayload.loading.peer import PeerUnavailable
+from rayload.loading.peer import PeerUnavailable, check_sizes
 from rayload.loading.plan import RankPlan
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 64 << 20
-"""About how many bytes of tensors one object of an export holds (a larger tensor is an
-object of its own): few enough objects for thousands of tensors, small enough that pulls
-from several holders overlap."""
-
 PEER_GROUP = "peer"
-"""The rank actor's concurrency group for the peer methods (export, its release, ping)."""
+"""The rank actor's concurrency group for the peer methods (opening a channel, ping)."""
 
 PEER_CONCURRENCY = 4
 """Peer calls a rank actor serves at once."""
 
-_GET_TIMEOUT_S = 120.0
-"""The longest a receiver waits for one chunk of a holder that has finished loading."""
+TRANSFER_TIMEOUT_S = 120.0
+"""The longest either side of a channel waits for the other: the receiver to join, one
+tensor to cross, the holder to answer once it has finished loading."""
+
+BUCKET_BYTES = 8 << 20
+"""Tensors smaller than this travel together, packed into buckets of at most this many
+bytes (one broadcast per bucket, not per tensor: a checkpoint has hundreds of small
+tensors, a norm's weight a few KiB); a larger tensor is sent alone, from and into its
+own memory."""
+
+_HOLDER, _RECEIVER = 0, 1
 
 
 @dataclass(frozen=True)
@@ -73,42 +80,79 @@ class PeerRef:
 
 
 @dataclass(frozen=True)
-class PeerExport:
-    """What a holder hands a receiver: its identity, each tensor's byte count, and the
-    chunks (``refs[i]`` holds the tensors ``names[i]``, in that order, as 1-D uint8
-    arrays)."""
+class PeerChannel:
+    """What a holder hands a receiver: the rendezvous store of their two-rank group
+    (``host``:``port``), the tensors it will send, in that order, with their byte counts
+    (``sizes[i]`` is ``names[i]``'s), and the bucket size both sides pack them by
+    (:func:`buckets`)."""
 
-    replica: str
-    rank: int
-    node_id: str | None
-    nbytes: Mapping[str, int]
-    names: tuple[tuple[str, ...], ...]
-    refs: tuple[Any, ...]
+    host: str
+    port: int
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    bucket_bytes: int = 0
+
+    @property
+    def nbytes(self) -> dict[str, int]:
+        return dict(zip(self.names, self.sizes, strict=True))
 
 
-class ShardExport:
-    """A holder rank's export state: waits for the load, builds the export once, counts
-    the receivers using it. Thread-safe (the actor's peer methods run in a thread pool)."""
+def _gloo_group(store: Any, rank: int, host: str, timeout_s: float) -> Any:
+    """Rank ``rank`` of a two-rank gloo group meeting in ``store``, its TCP on ``host``
+    (this node's address in the cluster). Blocks until both ranks joined (at most
+    ``timeout_s``)."""
+    import torch.distributed as dist
 
-    def __init__(self, *, chunk_bytes: int | None = None) -> None:
-        self._chunk_bytes = chunk_bytes or CHUNK_BYTES
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._timeout = timedelta(seconds=timeout_s)
+    return dist.ProcessGroupGloo(store, rank, 2, options)
+
+
+def _broadcast(group: Any, tensor: torch.Tensor) -> None:
+    """Send (on the holder) or receive (on the receiver) ``tensor`` whole."""
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank = _HOLDER
+    group.broadcast([tensor], options).wait()
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes as a 1-D uint8 CPU tensor (a view when it is a contiguous CPU
+    tensor, else a copy)."""
+    data = tensor.detach()
+    if data.device.type != "cpu":
+        data = data.to("cpu")
+    return data.contiguous().reshape(-1).view(torch.uint8)
+
+
+class ShardServer:
+    """A holder rank's serving state: waits for the load, opens a channel per receiver and
+    sends from a thread of its own. Thread-safe (the actor's peer methods run in a pool).
+
+    ``pause_s`` and ``bucket_bytes`` are TEST HOOKS: the first pauses each send after its
+    first bucket, so a test can stop the holder mid-transfer; the second sets the bucket
+    size (several buckets from a small checkpoint)."""
+
+    def __init__(self, *, pause_s: float = 0.0, bucket_bytes: int | None = None) -> None:
+        self._pause_s = pause_s
+        self._bucket_bytes = bucket_bytes or BUCKET_BYTES
         self._lock = threading.Lock()
         self._settled = threading.Event()
         self._tensors: Mapping[str, torch.Tensor] | None = None
         self._failure: str | None = None
-        self._export: PeerExport | None = None
-        self._users = 0
         self.served = 0
 
     def loading(self) -> None:
-        """The rank's tensors are being (re)written: receivers wait; an old export goes."""
+        """The rank's tensors are being (re)written: receivers wait."""
         with self._lock:
             self._settled.clear()
-            self._tensors, self._export, self._failure = None, None, None
+            self._tensors, self._failure = None, None
 
     def loaded(self, tensors: Mapping[str, torch.Tensor]) -> None:
         with self._lock:
-            self._tensors, self._failure = tensors, None
+            self._tensors, self._failure = dict(tensors), None
             self._settled.set()
 
     def failed(self, why: str) -> None:
@@ -116,129 +160,132 @@ class ShardExport:
             self._tensors, self._failure = None, why
             self._settled.set()
 
-    def export(self, replica: str, rank: int, node_id: str | None, wait_s: float) -> PeerExport:
-        """The export, built on first use, once the load has finished (at most ``wait_s``
-        seconds of waiting). Raises RuntimeError when the load failed or is still running."""
+    def open(self, host: str, wait_s: float) -> PeerChannel:
+        """A channel to this rank's shards, once its load has finished (at most ``wait_s``
+        seconds of waiting), its store on ``host``; the sending starts when the receiver
+        joins. Raises RuntimeError when the load failed or is still running."""
+        import torch.distributed as dist
+
         if not self._settled.wait(max(wait_s, 0.0)):
             raise RuntimeError(f"it was still loading after {wait_s:.0f} s")
         with self._lock:
             if self._tensors is None:
                 raise RuntimeError(f"its own load failed: {self._failure or 'no weights'}")
-            if self._export is None:
-                self._export = _put_chunks(replica, rank, node_id, self._tensors, self._chunk_bytes)
-            self._users += 1
+            tensors = self._tensors
             self.served += 1
-            return self._export
+        store = dist.TCPStore(
+            host,
+            0,
+            2,
+            True,
+            timedelta(seconds=TRANSFER_TIMEOUT_S),
+            wait_for_workers=False,
+        )
+        sizes = tuple(t.numel() * t.element_size() for t in tensors.values())
+        channel = PeerChannel(host, int(store.port), tuple(tensors), sizes, self._bucket_bytes)
+        threading.Thread(
+            target=self._send,
+            args=(store, host, list(tensors.values()), sizes),
+            name=f"rayload-peer-send-{channel.port}",
+            daemon=True,
+        ).start()
+        return channel
 
-    def release(self) -> None:
-        """A receiver is done: the last one lets the export's objects go."""
-        with self._lock:
-            self._users = max(self._users - 1, 0)
-            if self._users == 0:
-                self._export = None
-
-
-def _put_chunks(
-    replica: str,
-    rank: int,
-    node_id: str | None,
-    tensors: Mapping[str, torch.Tensor],
-    chunk_bytes: int,
-) -> PeerExport:
-    names: list[tuple[str, ...]] = []
-    refs: list[Any] = []
-    batch: list[str] = []
-    arrays: list[Any] = []
-    size = 0
-
-    def flush() -> None:
-        nonlocal size
-        if batch:
-            names.append(tuple(batch))
-            refs.append(ray.put(arrays.copy()))
-            batch.clear()
-            arrays.clear()
-            size = 0
-
-    for name, tensor in tensors.items():
-        data = tensor.detach()
-        if data.device.type != "cpu":
-            data = data.to("cpu")
-        flat = data.contiguous().reshape(-1).view(torch.uint8)
-        if batch and size + flat.numel() > chunk_bytes:
-            flush()
-        batch.append(name)
-        arrays.append(flat.numpy())
-        size += flat.numel()
-    flush()
-    return PeerExport(
-        replica=replica,
-        rank=rank,
-        node_id=node_id,
-        nbytes={name: t.numel() * t.element_size() for name, t in tensors.items()},
-        names=tuple(names),
-        refs=tuple(refs),
-    )
+    def _send(
+        self, store: Any, host: str, tensors: Sequence[torch.Tensor], sizes: Sequence[int]
+    ) -> None:
+        """The sender thread: join the group, broadcast every bucket, leave. A receiver
+        that never joins or goes away ends it with a log line: this rank's own tensors are
+        untouched."""
+        try:
+            group = _gloo_group(store, _HOLDER, host, TRANSFER_TIMEOUT_S)
+            for i, bucket in enumerate(buckets(sizes, self._bucket_bytes)):
+                parts = [_flat_bytes(tensors[k]) for k in bucket]
+                _broadcast(group, parts[0] if len(parts) == 1 else torch.cat(parts))
+                if i == 0 and self._pause_s > 0:
+                    time.sleep(self._pause_s)
+        except Exception as exc:  # the receiver's side reports its own failure
+            log.warning("sending shards to a receiver stopped: %s", exc)
 
 
 class RayPeerSource:
-    """A :class:`~rayload.loading.peer.PeerSource` over Ray: the holder ``ref`` exports, the
-    receiver pulls. ``wait_s`` bounds the wait for a holder that is still loading;
-    ``pause_s`` (a TEST HOOK) pauses after the first chunk, so a test can stop the holder
-    mid-transfer."""
+    """A :class:`~rayload.loading.peer.PeerSource` over a channel: the holder ``ref``
+    sends, this rank (on ``host``, its node's address) receives. ``wait_s`` bounds the
+    wait for a holder that is still loading."""
 
-    def __init__(self, ref: PeerRef, *, wait_s: float, pause_s: float = 0.0) -> None:
+    def __init__(self, ref: PeerRef, *, host: str, wait_s: float) -> None:
         self.ref = ref
         self.replica = ref.replica
         self.rank = ref.rank
         self.node_id = ref.node_id
+        self._host = host
         self._wait_s = wait_s
-        self._pause_s = pause_s
 
     def describe(self) -> str:
         return self.ref.describe()
 
-    def fetch(self, plan: RankPlan) -> Iterator[tuple[str, Any]]:
-        export = self._export()
+    def fetch(self, plan: RankPlan, destinations: Sequence[torch.Tensor]) -> Iterator[str]:
+        channel = self._channel()
+        check_sizes(plan, channel.nbytes)
+        into = {shard.name: d for shard, d in zip(plan.shards, destinations, strict=True)}
+        yield from receive(channel, self._host, into)
+
+    def _channel(self) -> PeerChannel:
+        ref = self.ref.actor.open_channel.remote(self._wait_s)
         try:
-            want = {shard.name: shard.nbytes for shard in plan.shards}
-            if dict(export.nbytes) != want:
-                raise PeerUnavailable(_plan_difference(export.nbytes, want))
-            for i, (names, chunk) in enumerate(zip(export.names, export.refs, strict=True)):
-                arrays = _get(chunk, _GET_TIMEOUT_S, "a chunk of its shards")
-                yield from zip(names, arrays, strict=True)
-                del arrays
-                if i == 0 and self._pause_s > 0:
-                    time.sleep(self._pause_s)
-        finally:
-            try:
-                self.ref.actor.release_export.remote()
-            except RayError as exc:  # the holder is gone: nothing to release
-                log.debug("could not release the export of %s: %s", self.describe(), exc)
-
-    def _export(self) -> PeerExport:
-        ref = self.ref.actor.export.remote(self._wait_s)
-        export: PeerExport = _get(ref, self._wait_s + _GET_TIMEOUT_S, "its export")
-        return export
+            channel: PeerChannel = ray.get(ref, timeout=self._wait_s + TRANSFER_TIMEOUT_S)
+        except GetTimeoutError as exc:
+            raise PeerUnavailable(
+                f"no channel to its shards within {self._wait_s + TRANSFER_TIMEOUT_S:.0f} s"
+            ) from exc
+        except RayError as exc:
+            first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+            raise PeerUnavailable(f"{type(exc).__name__} while opening a channel: {first}") from exc
+        return channel
 
 
-def _get(ref: Any, timeout_s: float, what: str) -> Any:
-    """``ray.get`` with Ray's failures as PeerUnavailable naming ``what`` was asked."""
-    try:
-        return ray.get(ref, timeout=timeout_s)
-    except GetTimeoutError as exc:
-        raise PeerUnavailable(f"no answer for {what} within {timeout_s:.0f} s") from exc
-    except RayError as exc:
-        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        raise PeerUnavailable(f"{type(exc).__name__} while getting {what}: {first}") from exc
+def receive(channel: PeerChannel, host: str, into: Mapping[str, torch.Tensor]) -> Iterator[str]:
+    """Join ``channel``'s group as the receiver (this node's address ``host``) and receive
+    each tensor into ``into[name]`` (1-D uint8, its byte count), yielding its name once
+    its bytes are in place."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        channel.host, channel.port, 2, False, timedelta(seconds=TRANSFER_TIMEOUT_S)
+    )
+    group = _gloo_group(store, _RECEIVER, host, TRANSFER_TIMEOUT_S)
+    for bucket in buckets(channel.sizes, channel.bucket_bytes or BUCKET_BYTES):
+        names = [channel.names[k] for k in bucket]
+        if len(names) == 1:
+            _broadcast(group, into[names[0]])
+        else:
+            sizes = [channel.sizes[k] for k in bucket]
+            packed = torch.empty(sum(sizes), dtype=torch.uint8)
+            _broadcast(group, packed)
+            for name, part in zip(names, packed.split(sizes), strict=True):
+                into[name].copy_(part)
+        yield from names
 
 
-def _plan_difference(have: Mapping[str, int], want: Mapping[str, int]) -> str:
-    missing = sorted(want.keys() - have.keys())
-    extra = sorted(have.keys() - want.keys())
-    if missing:
-        return f"it holds no tensor {missing[0]!r} ({len(missing)} missing): its plan differs"
-    if extra:
-        return f"it holds tensor {extra[0]!r}, which this rank's plan lacks: its plan differs"
-    name = next(n for n in want if have[n] != want[n])
-    return f"its tensor {name!r} has {have[name]} bytes, this rank's shard {want[name]}"
+def buckets(sizes: Sequence[int], limit: int = BUCKET_BYTES) -> list[list[int]]:
+    """The broadcasts of a channel: consecutive runs of tensor indices (by byte count
+    ``sizes``), each run under ``limit`` bytes in all, a tensor of ``limit`` or more alone;
+    empty tensors are in no run (nothing to send). The holder and the receiver compute
+    the same runs from the channel's sizes."""
+    runs: list[list[int]] = []
+    run: list[int] = []
+    total = 0
+    for index, size in enumerate(sizes):
+        if size == 0:
+            continue
+        if run and (size >= limit or total + size > limit):
+            runs.append(run)
+            run, total = [], 0
+        run.append(index)
+        total += size
+        if size >= limit:
+            runs.append(run)
+            run, total = [], 0
+    if run:
+        runs.append(run)
+    return runs

@@ -42,7 +42,7 @@ from rayload.actors.messages import (
     RankSetup,
     RankState,
 )
-from rayload.actors.peers import PEER_GROUP, PeerExport, RayPeerSource, ShardExport
+from rayload.actors.peers import PEER_GROUP, PeerChannel, RayPeerSource, ShardServer
 from rayload.actors.process_group import free_port, join_process_group, leave_process_group
 from rayload.import_clock import IMPORT_START_NS, TORCH_CHILD_IMPORTS, TORCH_IMPORTED_NS
 from rayload.loading import load_rank
@@ -85,16 +85,15 @@ class RankActor:
     """Rank ``rank``'s actor.
 
     ``clock_skew_ns``, ``fault``, ``probe_overrides``, ``peer_pause_s`` and
-    ``peer_chunk_bytes`` are TEST HOOKS: the first shifts every time the actor reports
+    ``peer_bucket_bytes`` are TEST HOOKS: the first shifts every time the actor reports
     (phases, spans, :meth:`clock`) to model another node's clock; the second makes this
     rank fail on purpose; the third changes what this rank's environment probe reports;
-    the fourth pauses a peer transfer after its first chunk; the fifth sets the size of
-    this rank's export chunks (see :mod:`rayload.actors.hooks`).
+    the fourth pauses this rank's sending to a receiver after its first bucket; the fifth
+    sets the size of those buckets (see :mod:`rayload.actors.hooks`).
 
-    Once loaded, the rank is a *holder* for other replicas: :meth:`export`,
-    :meth:`release_export` and :meth:`peer_ping` run in the actor's ``peer`` concurrency
-    group, so they answer while the main thread loads or runs engine code
-    (:mod:`rayload.actors.peers`).
+    Once loaded, the rank is a *holder* for other replicas: :meth:`open_channel` and
+    :meth:`peer_ping` run in the actor's ``peer`` concurrency group, so they answer while
+    the main thread loads or runs engine code (:mod:`rayload.actors.peers`).
     """
 
     def __init__(
@@ -105,11 +104,10 @@ class RankActor:
         fault: FaultInjection | None = None,
         probe_overrides: dict[str, Any] | None = None,
         peer_pause_s: float = 0.0,
-        peer_chunk_bytes: int | None = None,
+        peer_bucket_bytes: int | None = None,
     ) -> None:
         self._skew_ns = clock_skew_ns
-        self._peer_pause_s = peer_pause_s
-        self._shards = ShardExport(chunk_bytes=peer_chunk_bytes)
+        self._shards = ShardServer(pause_s=peer_pause_s, bucket_bytes=peer_bucket_bytes)
         self._replica = ""
         self._probe_overrides = probe_overrides
         init_start_ns = self.clock()
@@ -242,22 +240,17 @@ class RankActor:
         ref = request.peers[self._rank] if self._rank < len(request.peers) else None
         if ref is None:
             return None
-        return RayPeerSource(ref, wait_s=request.peer_wait_s, pause_s=self._peer_pause_s)
+        return RayPeerSource(ref, host=ray.util.get_node_ip_address(), wait_s=request.peer_wait_s)
 
     @ray.method(concurrency_group=PEER_GROUP)
-    def export(self, wait_s: float) -> PeerExport:
-        """This rank's shards in Ray's object store, for the same rank of another replica
+    def open_channel(self, wait_s: float) -> PeerChannel:
+        """A channel that sends this rank's shards to the same rank of another replica
         (waits at most ``wait_s`` for a load still running; raises when it failed)."""
-        return self._shards.export(self._replica, self._rank, self._node_id, wait_s)
-
-    @ray.method(concurrency_group=PEER_GROUP)
-    def release_export(self) -> None:
-        """A receiver is done with :meth:`export`'s objects."""
-        self._shards.release()
+        return self._shards.open(ray.util.get_node_ip_address(), wait_s)
 
     @ray.method(concurrency_group=PEER_GROUP)
     def peer_ping(self) -> int:
-        """Alive (answers even while loading); how many exports this rank has served."""
+        """Alive (answers even while loading); how many channels this rank has opened."""
         return self._shards.served
 
     def _outcome(

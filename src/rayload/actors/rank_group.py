@@ -122,7 +122,7 @@ class RankActorGroup:
                 fault=self.hooks.fault_for(rank),
                 probe_overrides=self.hooks.probe_overrides.get(rank),
                 peer_pause_s=self.hooks.peer_pause_s.get(rank, 0.0),
-                peer_chunk_bytes=self.hooks.peer_chunk_bytes,
+                peer_bucket_bytes=self.hooks.peer_bucket_bytes,
             )
             self.actors.append(actor)
             waiting[actor.ready.remote()] = rank

@@ -4,12 +4,12 @@ where each rank gets its shards from, and keep the directory in step with the re
 A load's replicas are claimed in order once their ranks are up; replica ``i`` sees every
 replica registered before it for the same key (other loads' and this load's replicas
 ``0..i-1``), so with several replicas started together the first reads storage and the
-others receive from it, through Ray's object store (:mod:`rayload.actors.peers`). Only
-holders whose rank actors answer a ping are used; dead ones are dropped from the
-directory on the spot.
+others receive from it, each rank over a gloo group of two with its holder
+(:mod:`rayload.actors.peers`). Only holders whose rank actors answer a ping are used; dead
+ones are dropped from the directory on the spot.
 
 For rank ``r`` the source is, in order of preference: a holder that has finished loading,
-one whose rank ``r`` is on the same node (a pull from local shared memory), then spread
+one whose rank ``r`` is on the same node (loopback, not the network), then spread
 over the loaded holders by receiver and rank; among holders still loading, the oldest
 (the one reading storage, not one that is itself receiving). A directory that cannot be
 reached is one warning and no peers: the load reads storage.

@@ -234,26 +234,36 @@ def pinned_loader(node: int, tp: int) -> Iterator[Any]:
 
 
 class _Holder:
-    """Holds one object in its node's object store, or gets one: the transfer probe."""
+    """Holds one tensor and sends it over rayload's peer channel, or receives one: the
+    transfer probe (:mod:`rayload.actors.peers`, the transport the ``peer`` method uses)."""
 
     def ready(self) -> bool:
         return True
 
-    def put(self, nbytes: int) -> list[Any]:
-        import numpy as np
+    def hold(self, nbytes: int) -> None:
+        import torch
 
-        self._data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-        return [ray.put(self._data)]
+        from rayload.actors.peers import ShardServer
 
-    def get(self, refs: list[Any]) -> tuple[float, float]:
-        """Get the object and copy it into new memory, as a receiving rank does; the
-        wall-clock start and end (s)."""
-        import numpy as np
+        self._server = ShardServer()
+        self._server.loaded({"probe": torch.randint(0, 255, (nbytes,), dtype=torch.uint8)})
+
+    def open_channel(self) -> Any:
+        return self._server.open(ray.util.get_node_ip_address(), 0.0)
+
+    def get(self, channel: Any) -> tuple[float, float]:
+        """Receive the tensor into new memory, as a receiving rank does; the wall-clock
+        start and end (s)."""
+        import torch
+
+        from rayload.actors.peers import receive
 
         start = time.time()
-        data = np.array(ray.get(refs[0]), copy=True)
+        into = {"probe": torch.empty(channel.sizes[0], dtype=torch.uint8)}
+        for _ in receive(channel, ray.util.get_node_ip_address(), into):
+            pass
         end = time.time()
-        del data
+        del into
         return start, end
 
 
@@ -261,9 +271,9 @@ _RemoteHolder: Any = ray.remote(num_cpus=0)(_Holder)
 
 
 def transfer_rates(nbytes: int = 128 << 20, *, pulls: int = 3) -> dict[str, float]:
-    """Ray's object store in this cluster, measured now (MB/s, get + copy into new memory,
-    timed inside the getting actors, which are started before): one ``nbytes`` object
-    put on node 0 and got on node 0 (shared memory), on node 1 (one pull between nodes),
+    """rayload's peer channel in this cluster, measured now (MB/s, received into new
+    memory, timed inside the receiving actors, which are started before): one ``nbytes``
+    tensor held on node 0 and received on node 0 (loopback), on node 1 (between nodes),
     and on nodes 2.. (up to ``pulls``) at once (aggregate: all bytes over first start to
     last end)."""
 
@@ -273,20 +283,23 @@ def transfer_rates(nbytes: int = 128 << 20, *, pulls: int = 3) -> dict[str, floa
     available = len(worker_nodes())
     actors = [on(n) for n in range(min(available, 2 + pulls))]
     ray.get([a.ready.remote() for a in actors])
-    refs = ray.get(actors[0].put.remote(nbytes))
+    holder = actors[0]
+    ray.get(holder.hold.remote(nbytes))
     local = on(0)
     ray.get(local.ready.remote())
 
-    def rate(spans: list[tuple[float, float]]) -> float:
+    def rate(receivers: list[Any]) -> float:
+        channels = ray.get([holder.open_channel.remote() for _ in receivers])
+        spans = ray.get([r.get.remote(c) for r, c in zip(receivers, channels, strict=True)])
         return len(spans) * nbytes / 1e6 / (max(e for _, e in spans) - min(s for s, _ in spans))
 
     rates: dict[str, float] = {}
-    rates["same_node_get_MBps"] = rate([ray.get(local.get.remote(refs))])
-    rates["cross_node_pull_MBps"] = rate([ray.get(actors[1].get.remote(refs))])
+    rates["same_node_MBps"] = rate([local])
+    rates["cross_node_MBps"] = rate([actors[1]])
     many = actors[2:]
     if len(many) >= 2:
-        rates["cross_node_pulls_at_once"] = len(many)
-        rates["cross_node_aggregate_MBps"] = rate(ray.get([m.get.remote(refs) for m in many]))
+        rates["cross_node_at_once"] = len(many)
+        rates["cross_node_aggregate_MBps"] = rate(many)
     for actor in (*actors, local):
         ray.kill(actor)
     return rates

@@ -15,12 +15,12 @@ head and one worker node per replica, each with its own object store), in one ru
 * **strided**: the same with 1 and the largest count on a tiny-llama-shaped checkpoint,
   whose closely strided split-1 rows the reader reads as whole runs: one replica reads
   more than its shards; the cluster should read what one replica reads.
-* **pair**: a holder replica loaded on node 0; a new replica on node 0 (same node: a
-  pull from shared memory) and one on node 1 (cross-node: the object manager), each
+* **pair**: a holder replica loaded on node 0; a new replica on node 0 (same node:
+  loopback) and one on node 1 (cross-node: over the nodes' addresses), each
   receiving from it; then, with the holder closed, the same new replica on node 1 cold
   from storage.
-* **rates**: what the parts can do in this run: Ray's object store between two nodes
-  and within one, and one sequential cold read of the checkpoint.
+* **rates**: what the parts can do in this run: the peer channel (a two-rank gloo group)
+  between two nodes and within one, and one sequential cold read of the checkpoint.
 
 :func:`run_peer_benchmark` runs all of it in a child interpreter (one ``ray.init`` per
 process) and returns the JSON-able result; :func:`write_peer_report` writes it as
@@ -172,7 +172,7 @@ def measure(config: PeerBenchConfig, progress: Callable[[str], None]) -> dict[st
         run = _Runner(config, Path(traces), progress)
         progress("warm-up load (imports into the page cache; not recorded)")
         run.together(exact, 1, "auto", record=False)
-        progress("rates: Ray's object store between and within nodes, the disk cold")
+        progress("rates: the peer channel between and within nodes, the disk cold")
         result["rates"] = {
             **transfer_rates(),
             "disk_cold_MBps": cold_read_rate(checkpoint_files(exact)),

@@ -5,21 +5,21 @@ A replica that already holds a rank's shards (same checkpoint identity, same pla
 replica, so the new one reads nothing from storage. This module is the Ray-free half:
 
 * :class:`PeerSource`, what the transport (``rayload.actors``) implements: who holds the
-  bytes and an iterator over ``(tensor name, buffer)`` for every shard of a plan;
+  bytes, and a ``fetch`` that writes every shard of a plan into given memory;
 * :class:`PeerUnavailable`, how a source says it could not give the bytes;
-* :func:`receive_shards`, the copy loop the ``peer`` backend runs: it checks that every
-  planned tensor arrives exactly once with exactly its shard's byte count and copies it
-  into the memory the backend allocated, turning any failure of the source into
-  :class:`PeerUnavailable` so the backend can discard what it got and read storage;
+* :func:`receive_shards`, the loop the ``peer`` backend runs: the source writes each
+  tensor into the memory the backend allocated for it, and every planned tensor must
+  arrive exactly once; any failure of the source becomes :class:`PeerUnavailable`, so the
+  backend can discard what it got and read storage;
+* :func:`check_sizes`, how a source checks that the peer holds exactly a plan's shards;
 * :func:`source_label` and :func:`peer_attributes`, what the trace says about the source.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from rayload.loading.plan import RankPlan
@@ -45,13 +45,14 @@ class PeerSource(Protocol):
         """Who the peer is, for messages: e.g. ``"replica 3f2a rank 1 on node ab12..."``."""
         ...
 
-    def fetch(self, plan: RankPlan) -> Iterator[tuple[str, Any]]:
-        """``(tensor name, buffer)`` for every shard of ``plan``, in any order.
+    def fetch(self, plan: RankPlan, destinations: Sequence[torch.Tensor]) -> Iterator[str]:
+        """Write every shard of ``plan`` into its destination (``destinations[i]`` is shard
+        ``i``'s memory: a 1-D uint8 CPU tensor of exactly its byte count, to be filled with
+        its bytes in row-major order), yielding each tensor's name once its bytes are in
+        place, in any order.
 
-        Each buffer supports the buffer protocol (a 1-D uint8 numpy array, possibly
-        read-only, a memoryview, bytes) and holds exactly that shard's bytes in row-major
-        order. May raise :class:`PeerUnavailable` (or anything else, which counts as the
-        peer failing) at any point.
+        May raise :class:`PeerUnavailable` (or anything else, which counts as the peer
+        failing) at any point, e.g. when the peer's shards differ from the plan's.
         """
         ...
 
@@ -73,41 +74,48 @@ def peer_attributes(peer: PeerSource) -> dict[str, Any]:
     }
 
 
+def check_sizes(plan: RankPlan, have: Mapping[str, int]) -> None:
+    """Raise :class:`PeerUnavailable` unless a peer that holds tensors of ``have`` bytes
+    (name -> bytes) holds exactly the shards of ``plan``, each with its byte count; the
+    message names the first difference."""
+    want = {shard.name: shard.nbytes for shard in plan.shards}
+    if dict(have) == want:
+        return
+    missing = sorted(want.keys() - have.keys())
+    extra = sorted(have.keys() - want.keys())
+    if missing:
+        why = f"it holds no tensor {missing[0]!r} ({len(missing)} missing): its plan differs"
+    elif extra:
+        why = f"it holds tensor {extra[0]!r}, which this rank's plan lacks: its plan differs"
+    else:
+        name = next(n for n in want if have[n] != want[n])
+        why = f"its tensor {name!r} has {have[name]} bytes, this rank's shard {want[name]}"
+    raise PeerUnavailable(why)
+
+
 def receive_shards(plan: RankPlan, peer: PeerSource, destinations: Sequence[torch.Tensor]) -> int:
-    """Copy every shard of ``plan`` from ``peer`` into ``destinations`` (shard ``i``'s
-    memory as a 1-D uint8 CPU tensor of ``plan.shards[i].nbytes`` bytes); return the bytes
+    """Have ``peer`` fill ``destinations`` (shard ``i``'s memory as a 1-D uint8 CPU tensor
+    of ``plan.shards[i].nbytes`` bytes) with every shard of ``plan``; return the bytes
     received.
 
     Raises :class:`PeerUnavailable` saying what went wrong (it reads after "the peer
-    failed: ") when the source raises anything, gives a buffer of another length or one
-    without a row-major buffer, a tensor the plan does not hold, a tensor twice, or ends
-    before every planned tensor arrived. The destinations may then hold some of the
-    peer's bytes: the caller discards them.
+    failed: ") when the source raises anything, names a tensor the plan does not hold, a
+    tensor twice, or ends before every planned tensor arrived. The destinations may then
+    hold some of the peer's bytes: the caller discards them.
     """
     index = {shard.name: i for i, shard in enumerate(plan.shards)}
     arrived: set[str] = set()
-    received = 0
-    items = _guarded(peer, plan)
+    items = _guarded(peer, plan, destinations)
     try:
-        for name, buffer in items:
-            i = index.get(name)
-            if i is None:
+        for name in items:
+            if name not in index:
                 raise PeerUnavailable(
                     f"it sent tensor {name!r}, which rank {plan.rank}'s plan does not hold "
                     "(the peer's plan differs)"
                 )
             if name in arrived:
                 raise PeerUnavailable(f"it sent tensor {name!r} twice")
-            source = _bytes_of(buffer, name)
-            want = plan.shards[i].nbytes
-            if source.size != want:
-                raise PeerUnavailable(
-                    f"it sent {source.size} bytes for tensor {name!r} (its shard has {want})"
-                )
             arrived.add(name)
-            if want:
-                np.copyto(destinations[i].numpy(), source)
-            received += want
     finally:
         items.close()
     if missing := index.keys() - arrived:
@@ -115,14 +123,17 @@ def receive_shards(plan: RankPlan, peer: PeerSource, destinations: Sequence[torc
             f"it ended without sending {len(missing)} of the {len(index)} tensors "
             f"(e.g. {min(missing)!r})"
         )
-    return received
+    return plan.nbytes
 
 
-def _guarded(peer: PeerSource, plan: RankPlan) -> Generator[tuple[str, Any], None, None]:
-    """``peer.fetch(plan)`` with any exception it raises (when called or while iterating)
-    turned into :class:`PeerUnavailable`; closing it closes the peer's iterator."""
+def _guarded(
+    peer: PeerSource, plan: RankPlan, destinations: Sequence[torch.Tensor]
+) -> Generator[str, None, None]:
+    """``peer.fetch(plan, destinations)`` with any exception it raises (when called or
+    while iterating) turned into :class:`PeerUnavailable`; closing it closes the peer's
+    iterator."""
     try:
-        iterator = iter(peer.fetch(plan))
+        iterator = iter(peer.fetch(plan, destinations))
     except Exception as exc:
         raise PeerUnavailable(_cause(exc)) from exc
     try:
@@ -138,20 +149,6 @@ def _guarded(peer: PeerSource, plan: RankPlan) -> Generator[tuple[str, Any], Non
         close = getattr(iterator, "close", None)
         if close is not None:
             close()
-
-
-def _bytes_of(buffer: Any, name: str) -> np.ndarray[Any, np.dtype[np.uint8]]:
-    """``buffer``'s bytes as a 1-D uint8 array (no copy); PeerUnavailable when it has no
-    row-major (C-contiguous) buffer."""
-    try:
-        view = memoryview(buffer)
-        if not view.c_contiguous:
-            raise ValueError("its buffer is not row-major contiguous")
-        return np.frombuffer(view, dtype=np.uint8)
-    except (TypeError, ValueError) as exc:
-        raise PeerUnavailable(
-            f"it sent tensor {name!r} as {type(buffer).__name__}, not a buffer of bytes ({exc})"
-        ) from exc
 
 
 def _cause(exc: Exception) -> str:
