@@ -156,11 +156,12 @@ def test_holder_killed_mid_transfer_receiver_completes_from_storage(
     thread = threading.Thread(target=receive)
     thread.start()
     deadline = time.monotonic() + 60
-    while ray.get(holder.actors[0].peer_ping.remote()) == 0:  # no channel opened yet
-        assert time.monotonic() < deadline, "the receiver never asked the holder"
+    while ray.get(holder.actors[0].peer_ping.remote()) == 0:  # no bucket sent yet
+        assert time.monotonic() < deadline, "the holder never began sending"
         time.sleep(0.05)
     ray.kill(holder.actors[0], no_restart=True)  # mid-transfer: during the pause
     thread.join(timeout=120)
+    assert not thread.is_alive(), "the receiver did not finish"
     holder.close()
     report = outcome["report"]
     assert report.method.selected is LoadMethod.PEER
@@ -187,10 +188,13 @@ def test_holder_killed_mid_transfer_is_an_error_under_strict(
 
     thread = threading.Thread(target=receive)
     thread.start()
+    deadline = time.monotonic() + 60
     while ray.get(holder.actors[0].peer_ping.remote()) == 0:
+        assert time.monotonic() < deadline, "the holder never began sending"
         time.sleep(0.05)
     ray.kill(holder.actors[0], no_restart=True)
     thread.join(timeout=120)
+    assert not thread.is_alive(), "the receiver did not finish"
     holder.close()
     assert len(raised) == 1 and isinstance(raised[0], MethodUnavailableError)
     assert "failed mid-transfer" in str(raised[0]) and "rank 0" in str(raised[0])

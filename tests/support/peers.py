@@ -43,7 +43,7 @@ class TensorPeer:
         sizes = {name: t.numel() * t.element_size() for name, t in self.tensors.items()}
         if self.short is not None:
             sizes[self.short] -= 1
-        check_sizes(plan, sizes)
+        check_sizes({shard.name: shard.nbytes for shard in plan.shards}, sizes)
         for shard, destination in zip(plan.shards, destinations, strict=True):
             if self.fail_after is not None and self.served >= self.fail_after:
                 raise self.error or PeerUnavailable(

@@ -9,14 +9,17 @@ hosts a rendezvous store on a free port of its node and hands back a :class:`Pee
 (where to meet, and which tensors of how many bytes it will send, in order). A sender
 thread then joins a two-rank gloo group as its rank 0 and broadcasts each tensor; the
 group is gone when the last tensor has left, or when the receiver never came or vanished
-(the group's time-out). Several receivers get several channels, served at once.
+(the group's time-out). Several receivers get several channels, served at once. A reload
+(:meth:`ShardServer.loading`) stops the sends under way at their next bucket and waits for
+them, so no send reads a tensor while it is rewritten; their receivers fall back.
 
 Receiver side (:class:`RayPeerSource`, a :class:`~rayload.loading.peer.PeerSource`): asks
 the holder for a channel (waiting, within the load's time, while a holder that is itself
 loading finishes), checks that the holder has exactly the shards of the receiver's plan,
-joins the group as rank 1 and receives each tensor straight into the memory the ``peer``
-backend allocated for it: one copy in all, over the network or loopback, none through
-Ray's object store. Anything that fails (the holder's actor died, its socket closed, a
+joins the group as rank 1 and receives each tensor of :data:`BUCKET_BYTES` or more
+straight into the memory the ``peer`` backend allocated for it (smaller ones arrive in a
+packed bucket and are copied out), over the network or loopback, nothing through Ray's
+object store. Anything that fails (the holder's actor died, its socket closed, a
 time-out, a plan that differs) becomes :class:`~rayload.loading.peer.PeerUnavailable`:
 the ``peer`` backend then reads storage and reports the fallback.
 
@@ -36,7 +39,7 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayError
+from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
 from rayload.loading.peer import PeerUnavailable, check_sizes
 from rayload.loading.plan import RankPlan
@@ -50,8 +53,12 @@ PEER_CONCURRENCY = 4
 """Peer calls a rank actor serves at once."""
 
 TRANSFER_TIMEOUT_S = 120.0
-"""The longest either side of a channel waits for the other: the receiver to join, one
-tensor to cross, the holder to answer once it has finished loading."""
+"""The longest either side of a channel waits for the other once both joined (one bucket
+to cross), and for the holder to answer once it has finished loading."""
+
+JOIN_TIMEOUT_S = 30.0
+"""The longest a channel's store waits for its other side: a receiver that never comes, a
+holder that died after it answered."""
 
 BUCKET_BYTES = 8 << 20
 """Tensors smaller than this travel together, packed into buckets of at most this many
@@ -90,7 +97,7 @@ class PeerChannel:
     port: int
     names: tuple[str, ...]
     sizes: tuple[int, ...]
-    bucket_bytes: int = 0
+    bucket_bytes: int
 
     @property
     def nbytes(self) -> dict[str, int]:
@@ -127,13 +134,18 @@ def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return data.contiguous().reshape(-1).view(torch.uint8)
 
 
+class _Superseded(Exception):
+    """The holder's tensors are being rewritten (a reload): the send stops."""
+
+
 class ShardServer:
     """A holder rank's serving state: waits for the load, opens a channel per receiver and
     sends from a thread of its own. Thread-safe (the actor's peer methods run in a pool).
 
-    ``pause_s`` and ``bucket_bytes`` are TEST HOOKS: the first pauses each send after its
-    first bucket, so a test can stop the holder mid-transfer; the second sets the bucket
-    size (several buckets from a small checkpoint)."""
+    ``started`` counts the sends whose first bucket has left (what :meth:`peer_ping`
+    reports). ``pause_s`` and ``bucket_bytes`` are TEST HOOKS: the first pauses each send
+    after its first bucket, so a test can stop the holder mid-transfer; the second sets the
+    bucket size (several buckets from a small checkpoint)."""
 
     def __init__(self, *, pause_s: float = 0.0, bucket_bytes: int | None = None) -> None:
         self._pause_s = pause_s
@@ -142,13 +154,21 @@ class ShardServer:
         self._settled = threading.Event()
         self._tensors: Mapping[str, torch.Tensor] | None = None
         self._failure: str | None = None
-        self.served = 0
+        self._generation = 0
+        self._senders: list[threading.Thread] = []
+        self.started = 0
 
     def loading(self) -> None:
-        """The rank's tensors are being (re)written: receivers wait."""
+        """The rank's tensors are about to be (re)written: new receivers wait, and sends
+        under way stop at their next bucket (their receivers fall back to storage); returns
+        once they have stopped, so no send reads a tensor while it is rewritten."""
         with self._lock:
             self._settled.clear()
             self._tensors, self._failure = None, None
+            self._generation += 1
+            senders, self._senders = self._senders, []
+        for sender in senders:
+            sender.join(TRANSFER_TIMEOUT_S)  # one bucket at most, bounded by the group
 
     def loaded(self, tensors: Mapping[str, torch.Tensor]) -> None:
         with self._lock:
@@ -160,52 +180,67 @@ class ShardServer:
             self._tensors, self._failure = None, why
             self._settled.set()
 
-    def open(self, host: str, wait_s: float) -> PeerChannel:
-        """A channel to this rank's shards, once its load has finished (at most ``wait_s``
+    def open(self, host: str, wait_s: float, want: Mapping[str, int]) -> PeerChannel:
+        """A channel to this rank's shards for a receiver whose plan has the tensors of
+        ``want`` (name -> bytes), once this rank's load has finished (at most ``wait_s``
         seconds of waiting), its store on ``host``; the sending starts when the receiver
-        joins. Raises RuntimeError when the load failed or is still running."""
+        joins. Raises PeerUnavailable when the load failed or is still running, or when
+        this rank holds other shards than ``want``."""
         import torch.distributed as dist
 
         if not self._settled.wait(max(wait_s, 0.0)):
-            raise RuntimeError(f"it was still loading after {wait_s:.0f} s")
+            raise PeerUnavailable(f"it was still loading after {wait_s:.0f} s")
         with self._lock:
             if self._tensors is None:
-                raise RuntimeError(f"its own load failed: {self._failure or 'no weights'}")
-            tensors = self._tensors
-            self.served += 1
-        store = dist.TCPStore(
-            host,
-            0,
-            2,
-            True,
-            timedelta(seconds=TRANSFER_TIMEOUT_S),
-            wait_for_workers=False,
-        )
+                raise PeerUnavailable(f"its own load failed: {self._failure or 'no weights'}")
+            tensors, generation = self._tensors, self._generation
         sizes = tuple(t.numel() * t.element_size() for t in tensors.values())
+        check_sizes(want, dict(zip(tensors, sizes, strict=True)))
+        store = dist.TCPStore(
+            host, 0, 2, True, timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False
+        )
         channel = PeerChannel(host, int(store.port), tuple(tensors), sizes, self._bucket_bytes)
-        threading.Thread(
+        sender = threading.Thread(
             target=self._send,
-            args=(store, host, list(tensors.values()), sizes),
+            args=(store, host, list(tensors.values()), sizes, generation),
             name=f"rayload-peer-send-{channel.port}",
             daemon=True,
-        ).start()
+        )
+        with self._lock:
+            self._senders = [t for t in self._senders if t.is_alive()] + [sender]
+        sender.start()
         return channel
 
     def _send(
-        self, store: Any, host: str, tensors: Sequence[torch.Tensor], sizes: Sequence[int]
+        self,
+        store: Any,
+        host: str,
+        tensors: Sequence[torch.Tensor],
+        sizes: Sequence[int],
+        generation: int,
     ) -> None:
         """The sender thread: join the group, broadcast every bucket, leave. A receiver
-        that never joins or goes away ends it with a log line: this rank's own tensors are
-        untouched."""
+        that never joins or goes away, or a reload (:meth:`loading`), ends it with a log
+        line; ending it drops the group, which the receiver sees as the peer failing."""
+        group = None
         try:
             group = _gloo_group(store, _HOLDER, host, TRANSFER_TIMEOUT_S)
             for i, bucket in enumerate(buckets(sizes, self._bucket_bytes)):
+                if self._generation != generation:
+                    raise _Superseded("this rank's tensors are being rewritten (a reload)")
                 parts = [_flat_bytes(tensors[k]) for k in bucket]
                 _broadcast(group, parts[0] if len(parts) == 1 else torch.cat(parts))
-                if i == 0 and self._pause_s > 0:
-                    time.sleep(self._pause_s)
+                if i == 0:
+                    with self._lock:
+                        self.started += 1
+                    if self._pause_s > 0:
+                        time.sleep(self._pause_s)
         except Exception as exc:  # the receiver's side reports its own failure
-            log.warning("sending shards to a receiver stopped: %s", exc)
+            log.warning("sending shards to a receiver stopped: %s", str(exc))
+        finally:
+            # Dropping the group closes its connection: a receiver still waiting fails at
+            # once (abort() and shutdown() leave a gloo pair open).
+            del group
 
 
 class RayPeerSource:
@@ -225,19 +260,20 @@ class RayPeerSource:
         return self.ref.describe()
 
     def fetch(self, plan: RankPlan, destinations: Sequence[torch.Tensor]) -> Iterator[str]:
-        channel = self._channel()
-        check_sizes(plan, channel.nbytes)
+        want = {shard.name: shard.nbytes for shard in plan.shards}
+        channel = self._channel(want)
         into = {shard.name: d for shard, d in zip(plan.shards, destinations, strict=True)}
         yield from receive(channel, self._host, into)
 
-    def _channel(self) -> PeerChannel:
-        ref = self.ref.actor.open_channel.remote(self._wait_s)
+    def _channel(self, want: Mapping[str, int]) -> PeerChannel:
+        ref = self.ref.actor.open_channel.remote(self._wait_s, want)
+        timeout_s = self._wait_s + TRANSFER_TIMEOUT_S
         try:
-            channel: PeerChannel = ray.get(ref, timeout=self._wait_s + TRANSFER_TIMEOUT_S)
+            channel: PeerChannel = ray.get(ref, timeout=timeout_s)
         except GetTimeoutError as exc:
-            raise PeerUnavailable(
-                f"no channel to its shards within {self._wait_s + TRANSFER_TIMEOUT_S:.0f} s"
-            ) from exc
+            raise PeerUnavailable(f"no channel to its shards within {timeout_s:.0f} s") from exc
+        except RayTaskError as exc:  # the holder said why: its own words
+            raise PeerUnavailable(str(exc.cause) or type(exc.cause).__name__) from exc
         except RayError as exc:
             first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
             raise PeerUnavailable(f"{type(exc).__name__} while opening a channel: {first}") from exc
@@ -247,14 +283,13 @@ class RayPeerSource:
 def receive(channel: PeerChannel, host: str, into: Mapping[str, torch.Tensor]) -> Iterator[str]:
     """Join ``channel``'s group as the receiver (this node's address ``host``) and receive
     each tensor into ``into[name]`` (1-D uint8, its byte count), yielding its name once
-    its bytes are in place."""
+    its bytes are in place (an empty tensor's at once: nothing is sent for it)."""
     import torch.distributed as dist
 
-    store = dist.TCPStore(
-        channel.host, channel.port, 2, False, timedelta(seconds=TRANSFER_TIMEOUT_S)
-    )
+    store = dist.TCPStore(channel.host, channel.port, 2, False, timedelta(seconds=JOIN_TIMEOUT_S))
     group = _gloo_group(store, _RECEIVER, host, TRANSFER_TIMEOUT_S)
-    for bucket in buckets(channel.sizes, channel.bucket_bytes or BUCKET_BYTES):
+    yield from (name for name, size in zip(channel.names, channel.sizes, strict=True) if not size)
+    for bucket in buckets(channel.sizes, channel.bucket_bytes):
         names = [channel.names[k] for k in bucket]
         if len(names) == 1:
             _broadcast(group, into[names[0]])
@@ -269,7 +304,7 @@ def receive(channel: PeerChannel, host: str, into: Mapping[str, torch.Tensor]) -
 
 def buckets(sizes: Sequence[int], limit: int = BUCKET_BYTES) -> list[list[int]]:
     """The broadcasts of a channel: consecutive runs of tensor indices (by byte count
-    ``sizes``), each run under ``limit`` bytes in all, a tensor of ``limit`` or more alone;
+    ``sizes``), each run at most ``limit`` bytes in all, a tensor of ``limit`` or more alone;
     empty tensors are in no run (nothing to send). The holder and the receiver compute
     the same runs from the channel's sizes."""
     runs: list[list[int]] = []

@@ -243,15 +243,17 @@ class RankActor:
         return RayPeerSource(ref, host=ray.util.get_node_ip_address(), wait_s=request.peer_wait_s)
 
     @ray.method(concurrency_group=PEER_GROUP)
-    def open_channel(self, wait_s: float) -> PeerChannel:
-        """A channel that sends this rank's shards to the same rank of another replica
-        (waits at most ``wait_s`` for a load still running; raises when it failed)."""
-        return self._shards.open(ray.util.get_node_ip_address(), wait_s)
+    def open_channel(self, wait_s: float, want: dict[str, int]) -> PeerChannel:
+        """A channel that sends this rank's shards to the same rank of another replica,
+        whose plan wants ``want`` (name -> bytes). Waits at most ``wait_s`` for a load still
+        running; raises PeerUnavailable when it failed or the shards differ."""
+        return self._shards.open(ray.util.get_node_ip_address(), wait_s, want)
 
     @ray.method(concurrency_group=PEER_GROUP)
     def peer_ping(self) -> int:
-        """Alive (answers even while loading); how many channels this rank has opened."""
-        return self._shards.served
+        """Alive (answers even while loading); how many sends to receivers this rank has
+        begun (their first bucket sent)."""
+        return self._shards.started
 
     def _outcome(
         self,

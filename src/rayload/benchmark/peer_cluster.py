@@ -247,9 +247,10 @@ class _Holder:
 
         self._server = ShardServer()
         self._server.loaded({"probe": torch.randint(0, 255, (nbytes,), dtype=torch.uint8)})
+        self._nbytes = nbytes
 
     def open_channel(self) -> Any:
-        return self._server.open(ray.util.get_node_ip_address(), 0.0)
+        return self._server.open(ray.util.get_node_ip_address(), 0.0, {"probe": self._nbytes})
 
     def get(self, channel: Any) -> tuple[float, float]:
         """Receive the tensor into new memory, as a receiving rank does; the wall-clock

@@ -51,8 +51,9 @@ class PeerSource(Protocol):
         its bytes in row-major order), yielding each tensor's name once its bytes are in
         place, in any order.
 
-        May raise :class:`PeerUnavailable` (or anything else, which counts as the peer
-        failing) at any point, e.g. when the peer's shards differ from the plan's.
+        Must raise :class:`PeerUnavailable` before writing anything when the peer's shards
+        differ from the plan's in name or byte count (:func:`check_sizes`); may raise it (or
+        anything else, which counts as the peer failing) at any point.
         """
         ...
 
@@ -74,12 +75,11 @@ def peer_attributes(peer: PeerSource) -> dict[str, Any]:
     }
 
 
-def check_sizes(plan: RankPlan, have: Mapping[str, int]) -> None:
+def check_sizes(want: Mapping[str, int], have: Mapping[str, int]) -> None:
     """Raise :class:`PeerUnavailable` unless a peer that holds tensors of ``have`` bytes
-    (name -> bytes) holds exactly the shards of ``plan``, each with its byte count; the
-    message names the first difference."""
-    want = {shard.name: shard.nbytes for shard in plan.shards}
-    if dict(have) == want:
+    (name -> bytes) holds exactly the shards a plan wants (``want``: each shard's name ->
+    its byte count); the message names the first difference."""
+    if dict(have) == dict(want):
         return
     missing = sorted(want.keys() - have.keys())
     extra = sorted(have.keys() - want.keys())

@@ -1,0 +1,97 @@
+"""The peer channel (``rayload.actors.peers``) without actors: a holder's
+:class:`ShardServer` and a receiver in two threads of this process, over a real two-rank
+gloo group on loopback. What the receiver gets is compared byte for byte with what the
+holder holds."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from rayload.actors.peers import ShardServer, receive
+from rayload.loading.peer import PeerUnavailable
+
+HOST = "127.0.0.1"
+
+
+def _held() -> dict[str, torch.Tensor]:
+    """Tensors of the kinds a checkpoint has: large ones (sent alone), small ones (packed
+    into buckets), an empty one, a non-contiguous one, several dtypes."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "embed": torch.randn(64, 512, generator=g),  # 128 KiB: over the 64 KiB buckets
+        "norm": torch.randn(512, generator=g).to(torch.bfloat16),
+        "empty": torch.empty(0, 16),
+        "ids": torch.randint(0, 1 << 30, (300,), generator=g, dtype=torch.int32),
+        "transposed": torch.randn(96, 80, generator=g).t(),  # not contiguous
+        "bias": torch.randn(1000, generator=g),
+        "lm_head": torch.randn(80, 512, generator=g),
+    }
+
+
+def _sizes(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    return {name: t.numel() * t.element_size() for name, t in tensors.items()}
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def test_receiver_gets_every_tensor_byte_for_byte_in_buckets() -> None:
+    held = _held()
+    server = ShardServer(bucket_bytes=64 << 10)
+    server.loaded(held)
+    channel = server.open(HOST, 0.0, _sizes(held))
+    into = {name: torch.full((n,), 0xAB, dtype=torch.uint8) for name, n in _sizes(held).items()}
+    arrived = list(receive(channel, HOST, into))
+    assert sorted(arrived) == sorted(held), "every tensor once, the empty one included"
+    for name, tensor in held.items():
+        assert bytes(into[name].numpy().tobytes()) == _bytes(tensor), name
+    assert server.started == 1
+
+
+def test_holder_refuses_a_receiver_whose_plan_differs() -> None:
+    held = _held()
+    server = ShardServer()
+    server.loaded(held)
+    want = _sizes(held) | {"norm": 2}
+    with pytest.raises(PeerUnavailable, match="its tensor 'norm' has 1024 bytes, this rank's"):
+        server.open(HOST, 0.0, want)
+    with pytest.raises(PeerUnavailable, match="holds no tensor 'extra'"):
+        server.open(HOST, 0.0, _sizes(held) | {"extra": 4})
+
+
+def test_holder_that_failed_or_still_loads_says_so() -> None:
+    server = ShardServer()
+    server.loading()
+    with pytest.raises(PeerUnavailable, match="still loading after 0 s"):
+        server.open(HOST, 0.0, {})
+    server.failed("rank 0: disk gone")
+    with pytest.raises(PeerUnavailable, match="its own load failed: rank 0: disk gone"):
+        server.open(HOST, 0.0, {})
+
+
+def test_reload_stops_a_send_under_way_and_the_receiver_fails() -> None:
+    held = _held()
+    server = ShardServer(pause_s=1.0, bucket_bytes=64 << 10)
+    server.loaded(held)
+    channel = server.open(HOST, 0.0, _sizes(held))
+    into = {name: torch.empty(n, dtype=torch.uint8) for name, n in _sizes(held).items()}
+    outcome: list[BaseException | list[str]] = []
+
+    def receiving() -> None:
+        try:
+            outcome.append(list(receive(channel, HOST, into)))
+        except BaseException as exc:  # the outcome is what is checked
+            outcome.append(exc)
+
+    thread = threading.Thread(target=receiving)
+    thread.start()
+    while server.started == 0:  # the first bucket has left; the holder pauses
+        threading.Event().wait(0.01)
+    server.loading()  # a reload begins: returns once the send has stopped
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert isinstance(outcome[0], RuntimeError), outcome[0]
