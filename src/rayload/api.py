@@ -37,7 +37,12 @@ from rayload.actors.launch import load_ranks, plan_process_group, spawn_ranks, s
 from rayload.actors.messages import LoadRequest, RankState
 from rayload.actors.process_group import check_process_group
 from rayload.actors.rank_group import RankActorGroup
-from rayload.actors.sharing import PeerSharing, choose_sources, new_replica_id
+from rayload.actors.sharing import (
+    RECEIVING_METHODS,
+    PeerSharing,
+    choose_sources,
+    new_replica_id,
+)
 from rayload.driver import TraceOutputs, notify, place, release, validate
 from rayload.errors import ConfigError
 from rayload.loading.checkpoint import open_checkpoint
@@ -56,7 +61,6 @@ from rayload.tracing.connect_spans import add_connect_spans
 
 log = logging.getLogger(__name__)
 
-_PEER_METHODS = frozenset({LoadMethod.AUTO, LoadMethod.PEER})
 """Requested methods for which ranks are given peer sources (others read storage)."""
 
 
@@ -249,7 +253,7 @@ def _claim_replicas(
     for index, (group, spec) in enumerate(zip(groups, group_specs, strict=True)):
         holders, entry = sharing.claim(new_replica_id(), group, earlier)
         earlier.append(entry)
-        sources = choose_sources(holders, entry) if LoadMethod(method) in _PEER_METHODS else ()
+        sources = choose_sources(holders, entry) if LoadMethod(method) in RECEIVING_METHODS else ()
         sourced += sum(s is not None for s in sources)
         requests.append(
             replace(

@@ -16,8 +16,9 @@ import ray
 
 from rayload import cluster
 from rayload.actors.messages import Applied, LoadRequest
+from rayload.actors.peers import PeerRef
 from rayload.actors.rank_group import RankActorGroup
-from rayload.actors.sharing import PeerSharing
+from rayload.actors.sharing import RECEIVING_METHODS, PeerSharing, reload_sources
 from rayload.driver import (
     TraceOutputs,
     check_same_plan,
@@ -148,8 +149,11 @@ class LoadResult:
         written; otherwise a :class:`~rayload.errors.CheckpointError` names the first tensor
         that differs and nothing changes. ``scratch`` and ``converted`` read straight into
         the tensors; the other methods load fresh ones and copy them in (said on the rank's
-        ``rank.to_device``: ``rayload.copied_into_resident``). Every replica reloads from
-        storage, one after the other; while it does, it is not offered to other replicas.
+        ``rank.to_device``: ``rayload.copied_into_resident``). The replicas reload one after
+        the other, each not offered to other loads while it does: replica 0 from storage,
+        the others (with ``auto`` or ``peer``) from replica 0 over the peer channel, so the
+        cluster reads the new checkpoint once; a rank whose source fails reads storage (a
+        reported fallback).
 
         The reload is its own trace (root ``rayload.reload``), written to
         ``<trace_dir>/reload-<n>/`` of the load's ``trace_dir`` and exported over OTLP like
@@ -186,15 +190,23 @@ class LoadResult:
         self._reloads += 1
         outputs = self._outputs.reload_outputs(self._reloads)
         outputs.prepare()
+        # Replica 0 reloads first, from storage; the others then receive from it.
+        sources: tuple[PeerRef, ...] = ()
+        if len(self._groups) > 1 and LoadMethod(requested) in RECEIVING_METHODS:
+            first = self.ranks[: self.tp_size]
+            sources = reload_sources(
+                self.actors[: self.tp_size], [r.node_id for r in first], self.replica_ids[0]
+            )
         requests = [
             replace(
                 request,
                 path=source,
                 method=str(LoadMethod(requested)),
                 traceparent=trace.traceparent(),
-                peers=(),
+                peers=sources if index else (),
+                peer_wait_s=timeout,
             )
-            for request in self._requests
+            for index, request in enumerate(self._requests)
         ]
         if self._sharing is not None:
             self._sharing.reloading(self.replica_ids)

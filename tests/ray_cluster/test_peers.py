@@ -81,6 +81,12 @@ def medium_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("medium") / "ckpt", size_gb=0.064, seed=7)
 
 
+@pytest.fixture(scope="module")
+def medium_llama_next(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same shapes as ``medium_llama`` with other values: the next checkpoint of a run."""
+    return write_checkpoint(tmp_path_factory.mktemp("medium-next") / "ckpt", size_gb=0.064, seed=8)
+
+
 @pytest.fixture
 def entries() -> Iterator[Callable[[], list[Any]]]:
     """The directory's entries, read now."""
@@ -114,7 +120,7 @@ def test_second_load_receives_every_tensor_bit_identical_and_reads_no_tensor_byt
 
 
 def test_replicas_started_together_read_each_byte_from_storage_once(
-    medium_llama: Path, no_leaks: Any, tmp_path: Path, trace_reader: Any
+    medium_llama: Path, medium_llama_next: Path, no_leaks: Any, tmp_path: Path, trace_reader: Any
 ) -> None:
     with rayload.load(medium_llama, 2, device="cpu", replicas=3, trace_dir=tmp_path) as result:
         assert result.replicas == 3 and len(result.ranks) == 6 and len(result.actors) == 6
@@ -137,6 +143,19 @@ def test_replicas_started_together_read_each_byte_from_storage_once(
             if s.name == schema.RANK_SPAN
         }
         assert lanes == {(i, r) for i in range(3) for r in range(2)}
+
+        # The next checkpoint: replica 0 reloads it from storage, the others from replica 0.
+        reloaded = result.reload(medium_llama_next)
+        assert [r.bytes_from_storage > 0 for r in reloaded.ranks] == [True] * 2 + [False] * 4
+        for report in reloaded.ranks[2:]:
+            assert report.method.effective is LoadMethod.PEER
+            assert report.bytes_from_peers == result.plan.ranks[report.rank].nbytes
+            assert report.source.startswith(f"peer replica={result.replica_ids[0]} ")
+        new = _replica_digests(result)
+        assert new[0] == _storage_digests(medium_llama_next, 2) != digests[0]
+        assert new[1] == new[0] and new[2] == new[0]
+        rchar = _rank_rchar(tmp_path / "reload-1", trace_reader)
+        assert all(rchar[i, r] < shard / 20 for i in (1, 2) for r in (0, 1))
 
 
 def test_holder_killed_mid_transfer_receiver_completes_from_storage(

@@ -337,6 +337,7 @@ class RankActor:
                 timer=timer,
                 expert_parallel=request.expert_parallel,
                 written=written,
+                peer=self._peer_source(request),
             )
             report = _with_node(report, self._node_id, request.replica_index)
             self._report = report

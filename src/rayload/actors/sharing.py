@@ -38,8 +38,25 @@ from rayload.actors.directory import (
 )
 from rayload.actors.peers import PeerRef
 from rayload.actors.rank_group import RankActorGroup
+from rayload.loading.methods import LoadMethod
 
 log = logging.getLogger(__name__)
+
+
+RECEIVING_METHODS = frozenset({LoadMethod.AUTO, LoadMethod.PEER})
+"""Requested methods whose ranks receive from a holder when one is given (other methods
+read storage, and are still offered)."""
+
+
+def reload_sources(
+    actors: Sequence[Any], nodes: Sequence[str | None], replica: str
+) -> tuple[PeerRef, ...]:
+    """Each rank's source when the other replicas of a load reload from ``replica`` (whose
+    rank ``r`` is ``actors[r]`` on ``nodes[r]``), which has reloaded first."""
+    return tuple(
+        PeerRef(replica=replica, rank=rank, node_id=node, actor=actor)
+        for rank, (actor, node) in enumerate(zip(actors, nodes, strict=True))
+    )
 
 
 def new_replica_id() -> str:

@@ -121,6 +121,7 @@ def reload_rank(
     reader_options: ReaderOptions | None = None,
     expert_parallel: bool = False,
     written: set[str] | None = None,
+    peer: PeerSource | None = None,
 ) -> RankReport:
     """Load rank ``rank`` of the checkpoint at ``path`` into ``tensors``, the rank's
     resident tensors from an earlier :func:`load_rank` (or views a ``model=`` module shares
@@ -134,9 +135,10 @@ def reload_rank(
     copy them in (the report's ``rank.to_device`` with ``copied_into_resident=True``).
     ``written`` collects the names of the tensors the backend began to write: after a
     failure, exactly those may hold new bytes. Other arguments as for :func:`load_rank`;
-    the phases are the same (``rank.post_load`` is empty). A reload reads storage: there
-    is no peer, so ``method="peer"`` falls back to the storage method (and is a
-    MethodUnavailableError under ``strict``).
+    the phases are the same (``rank.post_load`` is empty). ``peer`` is as for
+    :func:`load_rank`: the shards of the new checkpoint from a rank that already reloaded
+    it, received fresh and copied in; without one, ``method="peer"`` falls back to the
+    storage method (and is a MethodUnavailableError under ``strict``).
     """
     timer = timer if timer is not None else PhaseTimer()
     start_ns = timer.clock()
@@ -155,6 +157,7 @@ def reload_rank(
         expert_parallel=expert_parallel,
         into=tensors,
         written=written if written is not None else set(),
+        peer=peer,
     )
     with timer.phase(POST_LOAD, device=resolution.device):
         pass
