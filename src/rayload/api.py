@@ -52,7 +52,7 @@ from rayload.loading.model import ModelContext, ModelFactory
 from rayload.loading.plan import plan_shards
 from rayload.loading.report import mixed_method_warnings
 from rayload.loading.rules import resolve_rules
-from rayload.options import check_replicas
+from rayload.options import check_flag, check_replicas
 from rayload.placement import RankPlacement
 from rayload.progress import LoadProgress, ProgressCallback
 from rayload.result import LoadResult, ReloadResult
@@ -84,6 +84,7 @@ def load(
     expert_parallel: bool = False,
     replicas: int = 1,
     peers: bool = True,
+    shared_copy: bool = False,
 ) -> LoadResult:
     """Load the checkpoint at ``path`` onto Ray with ``tp_size`` ranks, one actor each.
 
@@ -111,6 +112,10 @@ def load(
     that holds them instead of reading storage (:mod:`rayload.actors.sharing`): with
     several replicas started together, each byte is read from storage once. With
     ``peers=False`` no directory is used; the replicas of this load still share.
+    ``shared_copy`` makes each loaded rank also keep a copy of its shards in its node's
+    Ray object store (host shared memory, the shards' size per rank), so that a new
+    replica on the same node copies them from there once instead of receiving them over
+    TCP; receivers on other nodes are unaffected.
 
     Raises :class:`~rayload.errors.InputError` (bad input, before any actor starts),
     :class:`~rayload.errors.RankFailedError` or :class:`~rayload.errors.RankTimeoutError`.
@@ -118,6 +123,7 @@ def load(
     start_ns = time.time_ns()
     source = validate(path, tp_size, method, device, placement_strategy, timeout, model_role)
     check_replicas(replicas)
+    check_flag("shared_copy", shared_copy)
     check_process_group(process_group, device)
     if model is not None and not callable(model):
         raise ConfigError(
@@ -179,6 +185,7 @@ def load(
             model=model,
             model_config=dict(checkpoint.config or {}) if model is not None else None,
             expert_parallel=expert_parallel,
+            shared_copy=shared_copy,
         )
         watch.phase = "finding peers"
         requests = _claim_replicas(

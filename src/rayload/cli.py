@@ -115,6 +115,7 @@ def _cmd_load(args: argparse.Namespace) -> int:
             progress=None if args.json else LineProgress(),
             replicas=args.replicas,
             peers=not args.no_peers,
+            shared_copy=args.shared_copy,
         ) as result,
     ):
         print(json.dumps(load_json(result)) if args.json else load_summary(result), file=stdout)
@@ -568,6 +569,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="data-parallel copies of the TP group, a placement group each; replica 0 reads "
         "storage, the others receive its bytes from it over torch.distributed (gloo) (default: "
         "%(default)s)",
+    )
+    p.add_argument(
+        "--shared-copy",
+        action="store_true",
+        help="keep a copy of each loaded rank's shards in its node's Ray object store, so "
+        "a new replica on the same node copies them from shared memory (costs the shards' "
+        "size per rank in the object store)",
     )
     p.add_argument(
         "--no-peers",

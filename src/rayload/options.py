@@ -38,6 +38,13 @@ def check_replicas(replicas: object) -> int:
     return _positive_int("replicas", replicas)
 
 
+def check_flag(name: str, value: object) -> bool:
+    """``value`` as a bool; ConfigError unless it is True or False."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")

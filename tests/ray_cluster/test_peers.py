@@ -114,9 +114,28 @@ def test_second_load_receives_every_tensor_bit_identical_and_reads_no_tensor_byt
         spans = trace_reader(tmp_path)
         reads = [s for s in spans if s.name == "rank.read"]
         assert {s.attributes["rayload.source"].split()[0] for s in reads} == {"peer"}
+        assert {s.attributes["rayload.peer.via"] for s in reads} == {"gloo"}
         # Only headers (and Ray's small messages) were read: far below the shards.
         rchar = _rank_rchar(tmp_path, trace_reader)
         assert len(rchar) == 2 and max(rchar.values()) < second.plan.ranks[0].nbytes / 2
+
+
+def test_receiver_on_the_holders_node_copies_its_shared_copy_bit_identical(
+    tiny_llama: Path, no_leaks: Any, tmp_path: Path, trace_reader: Any
+) -> None:
+    with rayload.load(tiny_llama, 2, device="cpu", shared_copy=True) as first:
+        want = [{s.name: s.nbytes for s in r.shards} for r in first.plan.ranks]
+        deadline = time.monotonic() + 60
+        while not all(
+            ray.get(a.shared_copy.remote(w)) for a, w in zip(first.actors, want, strict=True)
+        ):  # the copy is put in the background once the load has returned
+            assert time.monotonic() < deadline, "no shared copy"
+            time.sleep(0.05)
+        with rayload.load(tiny_llama, 2, device="cpu", trace_dir=tmp_path) as second:
+            assert [r.bytes_from_storage for r in second.ranks] == [0, 0]
+            assert _replica_digests(second) == _replica_digests(first)
+        reads = [s for s in trace_reader(tmp_path) if s.name == "rank.read"]
+        assert [s.attributes["rayload.peer.via"] for s in reads] == ["object_store"] * 2
 
 
 def test_replicas_started_together_read_each_byte_from_storage_once(

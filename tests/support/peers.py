@@ -35,6 +35,7 @@ class TensorPeer:
     omit: str | None = None
     extra: str | None = None
     served: int = field(default=0, init=False)
+    via: str = field(default="", init=False)
 
     def describe(self) -> str:
         return f"replica {self.replica} rank {self.rank} on node {self.node_id}"
@@ -44,6 +45,7 @@ class TensorPeer:
         if self.short is not None:
             sizes[self.short] -= 1
         check_sizes({shard.name: shard.nbytes for shard in plan.shards}, sizes)
+        self.via = "memory"
         for shard, destination in zip(plan.shards, destinations, strict=True):
             if self.fail_after is not None and self.served >= self.fail_after:
                 raise self.error or PeerUnavailable(

@@ -27,7 +27,9 @@ class LoadRequest:
     ``replica`` is the replica's id (its entry in the peer directory), ``replica_index``
     its place in a load of several (None with one: the trace's lanes); ``peers[r]`` is
     where rank ``r`` gets its shards from (None, or no entry: storage), and
-    ``peer_wait_s`` how long it may wait for a holder that is still loading.
+    ``peer_wait_s`` how long it may wait for a holder that is still loading;
+    ``shared_copy`` makes each loaded rank keep a copy of its shards in its node's object
+    store for receivers on that node.
     """
 
     path: str
@@ -46,6 +48,7 @@ class LoadRequest:
     replica_index: int | None = None
     peers: tuple[PeerRef | None, ...] = ()
     peer_wait_s: float = 600.0
+    shared_copy: bool = False
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,17 @@ class PeerChannel:
         return dict(zip(self.names, self.sizes, strict=True))
 
 
+@dataclass(frozen=True)
+class SharedCopy:
+    """A holder's shards in its node's Ray object store (``load(..., shared_copy=True)``):
+    ``refs[i]`` holds the tensors ``names[i]``, in that order, as 1-D uint8 arrays. A
+    receiver on the same node reads them from shared memory without a copy and copies them
+    into its own memory: one copy in all."""
+
+    names: tuple[tuple[str, ...], ...]
+    refs: tuple[Any, ...]
+
+
 def _gloo_group(store: Any, rank: int, host: str, timeout_s: float) -> Any:
     """Rank ``rank`` of a two-rank gloo group meeting in ``store``, its TCP on ``host``
     (this node's address in the cluster). Blocks until both ranks joined (at most
@@ -156,6 +167,7 @@ class ShardServer:
         self._failure: str | None = None
         self._generation = 0
         self._senders: list[threading.Thread] = []
+        self._copy: SharedCopy | None = None
         self.started = 0
 
     def loading(self) -> None:
@@ -164,7 +176,7 @@ class ShardServer:
         once they have stopped, so no send reads a tensor while it is rewritten."""
         with self._lock:
             self._settled.clear()
-            self._tensors, self._failure = None, None
+            self._tensors, self._failure, self._copy = None, None, None
             self._generation += 1
             senders, self._senders = self._senders, []
         for sender in senders:
@@ -177,8 +189,36 @@ class ShardServer:
 
     def failed(self, why: str) -> None:
         with self._lock:
-            self._tensors, self._failure = None, why
+            self._tensors, self._failure, self._copy = None, why, None
             self._settled.set()
+
+    def share(self) -> None:
+        """Put a copy of the loaded tensors into this node's object store (packed into
+        objects of about :data:`BUCKET_BYTES`; the actor owns them), for receivers on this
+        node: :meth:`shared_copy`. A reload drops it (:meth:`loading`)."""
+        with self._lock:
+            tensors, generation = self._tensors, self._generation
+        if tensors is None:
+            return
+        names, refs = [], []
+        values = list(tensors.values())
+        sizes = [t.numel() * t.element_size() for t in values]
+        for bucket in buckets(sizes, self._bucket_bytes):
+            names.append(tuple(list(tensors)[k] for k in bucket))
+            refs.append(ray.put([_flat_bytes(values[k]).numpy() for k in bucket]))
+        with self._lock:
+            if self._generation == generation:
+                self._copy = SharedCopy(tuple(names), tuple(refs))
+
+    def shared_copy(self, want: Mapping[str, int]) -> SharedCopy | None:
+        """The shared copy, when there is one of exactly the shards of ``want`` (name ->
+        bytes); None otherwise (the receiver then opens a channel)."""
+        with self._lock:
+            copy, tensors = self._copy, self._tensors
+        if copy is None or tensors is None:
+            return None
+        check_sizes(want, {n: t.numel() * t.element_size() for n, t in tensors.items()})
+        return copy
 
     def open(self, host: str, wait_s: float, want: Mapping[str, int]) -> PeerChannel:
         """A channel to this rank's shards for a receiver whose plan has the tensors of
@@ -244,16 +284,19 @@ class ShardServer:
 
 
 class RayPeerSource:
-    """A :class:`~rayload.loading.peer.PeerSource` over a channel: the holder ``ref``
-    sends, this rank (on ``host``, its node's address) receives. ``wait_s`` bounds the
-    wait for a holder that is still loading."""
+    """A :class:`~rayload.loading.peer.PeerSource` over Ray: the holder ``ref`` sends, this
+    rank (on node ``node_id``, address ``host``) receives: from the holder's shared copy
+    when it is on this node and has one, else over a channel. ``wait_s`` bounds the wait
+    for a holder that is still loading; ``via`` says which way the bytes came."""
 
-    def __init__(self, ref: PeerRef, *, host: str, wait_s: float) -> None:
+    def __init__(self, ref: PeerRef, *, host: str, node_id: str | None, wait_s: float) -> None:
         self.ref = ref
         self.replica = ref.replica
         self.rank = ref.rank
         self.node_id = ref.node_id
+        self.via = ""
         self._host = host
+        self._own_node = node_id
         self._wait_s = wait_s
 
     def describe(self) -> str:
@@ -261,23 +304,47 @@ class RayPeerSource:
 
     def fetch(self, plan: RankPlan, destinations: Sequence[torch.Tensor]) -> Iterator[str]:
         want = {shard.name: shard.nbytes for shard in plan.shards}
-        channel = self._channel(want)
         into = {shard.name: d for shard, d in zip(plan.shards, destinations, strict=True)}
-        yield from receive(channel, self._host, into)
+        same_node = self.node_id is not None and self.node_id == self._own_node
+        copy: SharedCopy | None = None
+        if same_node:
+            copy = _get(self.ref.actor.shared_copy.remote(want), TRANSFER_TIMEOUT_S)
+        if copy is not None:
+            self.via = "object_store"
+            yield from _copy_out(copy, into)
+            return
+        self.via = "gloo"
+        yield from receive(self._channel(want), self._host, into)
 
     def _channel(self, want: Mapping[str, int]) -> PeerChannel:
         ref = self.ref.actor.open_channel.remote(self._wait_s, want)
-        timeout_s = self._wait_s + TRANSFER_TIMEOUT_S
-        try:
-            channel: PeerChannel = ray.get(ref, timeout=timeout_s)
-        except GetTimeoutError as exc:
-            raise PeerUnavailable(f"no channel to its shards within {timeout_s:.0f} s") from exc
-        except RayTaskError as exc:  # the holder said why: its own words
-            raise PeerUnavailable(str(exc.cause) or type(exc.cause).__name__) from exc
-        except RayError as exc:
-            first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
-            raise PeerUnavailable(f"{type(exc).__name__} while opening a channel: {first}") from exc
+        channel: PeerChannel = _get(ref, self._wait_s + TRANSFER_TIMEOUT_S)
         return channel
+
+
+def _get(ref: Any, timeout_s: float) -> Any:
+    """``ray.get`` with Ray's failures as PeerUnavailable (a holder's own exception in
+    its own words)."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except GetTimeoutError as exc:
+        raise PeerUnavailable(f"no answer from the holder within {timeout_s:.0f} s") from exc
+    except RayTaskError as exc:  # the holder said why: its own words
+        raise PeerUnavailable(str(exc.cause) or type(exc.cause).__name__) from exc
+    except RayError as exc:
+        first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        raise PeerUnavailable(f"{type(exc).__name__} while asking the holder: {first}") from exc
+
+
+def _copy_out(copy: SharedCopy, into: Mapping[str, torch.Tensor]) -> Iterator[str]:
+    """Copy a shared copy's tensors into ``into`` (their memory as 1-D uint8), object by
+    object, yielding each name once its bytes are in place."""
+    for names, ref in zip(copy.names, copy.refs, strict=True):
+        arrays = _get(ref, TRANSFER_TIMEOUT_S)
+        for name, array in zip(names, arrays, strict=True):
+            into[name].numpy()[:] = array
+        del arrays
+        yield from names
 
 
 def receive(channel: PeerChannel, host: str, into: Mapping[str, torch.Tensor]) -> Iterator[str]:

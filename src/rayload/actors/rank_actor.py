@@ -24,6 +24,7 @@ _OPENTELEMETRY_IMPORTED_NS = time.time_ns()
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -42,7 +43,13 @@ from rayload.actors.messages import (
     RankSetup,
     RankState,
 )
-from rayload.actors.peers import PEER_GROUP, PeerChannel, RayPeerSource, ShardServer
+from rayload.actors.peers import (
+    PEER_GROUP,
+    PeerChannel,
+    RayPeerSource,
+    ShardServer,
+    SharedCopy,
+)
 from rayload.actors.process_group import free_port, join_process_group, leave_process_group
 from rayload.import_clock import IMPORT_START_NS, TORCH_CHILD_IMPORTS, TORCH_IMPORTED_NS
 from rayload.loading import load_rank
@@ -228,6 +235,8 @@ class RankActor:
             report = _with_node(report, self._node_id, request.replica_index)
             self._report = report
             self._shards.loaded(self._tensors)
+            if request.shared_copy:  # in the background: the load returns now
+                threading.Thread(target=self._shards.share, daemon=True).start()
         except Exception as exc:
             log.exception("rank %d failed to load %s", self._rank, request.path)
             error = RankError.from_exception(exc)
@@ -240,7 +249,12 @@ class RankActor:
         ref = request.peers[self._rank] if self._rank < len(request.peers) else None
         if ref is None:
             return None
-        return RayPeerSource(ref, host=ray.util.get_node_ip_address(), wait_s=request.peer_wait_s)
+        return RayPeerSource(
+            ref,
+            host=ray.util.get_node_ip_address(),
+            node_id=self._node_id,
+            wait_s=request.peer_wait_s,
+        )
 
     @ray.method(concurrency_group=PEER_GROUP)
     def open_channel(self, wait_s: float, want: dict[str, int]) -> PeerChannel:
@@ -248,6 +262,12 @@ class RankActor:
         whose plan wants ``want`` (name -> bytes). Waits at most ``wait_s`` for a load still
         running; raises PeerUnavailable when it failed or the shards differ."""
         return self._shards.open(ray.util.get_node_ip_address(), wait_s, want)
+
+    @ray.method(concurrency_group=PEER_GROUP)
+    def shared_copy(self, want: dict[str, int]) -> SharedCopy | None:
+        """This rank's shards in its node's object store (a load with ``shared_copy``), for
+        a receiver on this node whose plan wants ``want``; None when there is none."""
+        return self._shards.shared_copy(want)
 
     @ray.method(concurrency_group=PEER_GROUP)
     def peer_ping(self) -> int:
@@ -343,6 +363,8 @@ class RankActor:
             self._report = report
             self._request = replace(self._request or request, path=request.path)
             self._shards.loaded(self._tensors)
+            if request.shared_copy:  # in the background: the load returns now
+                threading.Thread(target=self._shards.share, daemon=True).start()
         except Exception as exc:
             log.exception("rank %d failed to reload %s", self._rank, request.path)
             error = RankError.from_exception(exc)

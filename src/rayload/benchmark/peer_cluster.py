@@ -188,13 +188,31 @@ class PinnedLoader:
     def __init__(self) -> None:
         self._result: Any = None
 
-    def load(self, path: str, tp: int, method: str, trace_dir: str) -> dict[str, Any]:
+    def load(
+        self, path: str, tp: int, method: str, trace_dir: str, shared_copy: bool = False
+    ) -> dict[str, Any]:
         import rayload
 
         start = time.perf_counter()
-        self._result = rayload.load(path, tp, method=method, device="cpu", trace_dir=trace_dir)
+        self._result = rayload.load(
+            path, tp, method=method, device="cpu", trace_dir=trace_dir, shared_copy=shared_copy
+        )
         wall = time.perf_counter() - start
         return {"wall_s": wall, "ranks": [r.to_dict() for r in self._result.ranks]}
+
+    def wait_shared_copy(self, timeout_s: float = 120.0) -> float:
+        """Seconds until every rank's shared copy is in the object store (after a load
+        with ``shared_copy``, which puts it in the background)."""
+        start = time.perf_counter()
+        wants = [{s.name: s.nbytes for s in r.shards} for r in self._result.plan.ranks]
+        while not all(
+            ray.get(a.shared_copy.remote(w))
+            for a, w in zip(self._result.actors, wants, strict=True)
+        ):
+            if time.perf_counter() - start > timeout_s:
+                raise TimeoutError(f"no shared copy after {timeout_s:.0f} s")
+            time.sleep(0.02)
+        return time.perf_counter() - start
 
     def close(self) -> None:
         if self._result is not None:

@@ -93,7 +93,8 @@ def targets(result: dict[str, Any]) -> list[PeerTarget]:
             speedup = _slowest_read(cold) / _slowest_read(pair[key])
             population = cold["population_s"] / pair[key]["population_s"]
             disk = rates.get("disk_cold_MBps", 0.0)
-            note = f"weight population {population:.2f}x"
+            via = ", ".join(sorted(set(pair[key].get("rank_via", {}).values()))) or "?"
+            note = f"via {via}; weight population {population:.2f}x"
             if rate:
                 note += f"; channel {where} {rate:.0f} MB/s vs disk cold {disk:.0f} MB/s"
             out.append(

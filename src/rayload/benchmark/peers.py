@@ -246,15 +246,16 @@ class _Runner:
         tp = self.config.tp
         out: dict[str, Any] = {}
 
-        def pinned(loader: Any, method: str) -> dict[str, Any]:
+        def pinned(loader: Any, method: str, shared_copy: bool = False) -> dict[str, Any]:
             trace_dir = self._trace_dir()
             evict(checkpoint_files(path))
-            got = ray.get(loader.load.remote(str(path), tp, method, str(trace_dir)))
+            got = ray.get(loader.load.remote(str(path), tp, method, str(trace_dir), shared_copy))
             return {"wall_s": got["wall_s"], **load_figures(trace_dir, got["ranks"])}
 
-        self.progress("pair: the holder on node 0, cold")
+        self.progress("pair: the holder on node 0, cold, keeping a shared copy")
         with pinned_loader(0, tp) as holder:
-            out["holder"] = pinned(holder, "auto")
+            out["holder"] = pinned(holder, "auto", shared_copy=True)
+            out["holder"]["shared_copy_s"] = ray.get(holder.wait_shared_copy.remote())
             self.progress("pair: a new replica on node 0 from the holder (same node)")
             with pinned_loader(0, tp) as same:
                 out["peer_same_node"] = pinned(same, "auto")
@@ -312,6 +313,13 @@ def load_figures(trace_dir: Path, ranks: list[dict[str, Any]]) -> dict[str, Any]
             if s["name"] == READ
         },
         "rank_sources": {f"{r.get('replica', 0)}/{r['rank']}": r.get("source") for r in ranks},
+        "rank_via": {
+            f"{s['resource'].get(schema.REPLICA, 0)}/{s['attributes'][schema.RANK]}": s[
+                "attributes"
+            ].get("rayload.peer.via")
+            for s in spans
+            if s["name"] == READ and "rayload.peer.via" in s["attributes"]
+        },
         "effective": sorted({str(r["method"]["effective"]) for r in ranks}),
         "sources": sorted({str(r.get("source", "")).split(" node=")[0] for r in ranks}),
     }

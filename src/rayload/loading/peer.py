@@ -34,12 +34,14 @@ class PeerSource(Protocol):
     """A rank of another replica that holds the shards of a plan.
 
     ``replica`` is the holder replica's id, ``rank`` its rank, ``node_id`` its Ray node
-    (None when unknown).
+    (None when unknown); ``via`` says how the bytes came once :meth:`fetch` has begun
+    (e.g. ``"gloo"``, ``"object_store"``; empty before).
     """
 
     replica: str
     rank: int
     node_id: str | None
+    via: str
 
     def describe(self) -> str:
         """Who the peer is, for messages: e.g. ``"replica 3f2a rank 1 on node ab12..."``."""

@@ -46,6 +46,8 @@ class PeerBackend(Backend):
                 attrs["peer.error"] = str(exc)
             else:
                 attrs["bytes_from_peers"] = received
+            if peer.via:
+                attrs["peer.via"] = peer.via
         if failure is not None:
             del hosts
             return self._from_storage(plan, device, timer, peer, failure)
