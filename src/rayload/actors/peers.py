@@ -66,6 +66,10 @@ bytes (one broadcast per bucket, not per tensor: a checkpoint has hundreds of sm
 tensors, a norm's weight a few KiB); a larger tensor is sent alone, from and into its
 own memory."""
 
+SHARED_OBJECT_BYTES = 64 << 20
+"""About how many bytes of tensors one object of a shared copy holds (a larger tensor is
+an object of its own): few objects for thousands of tensors, each got in one call."""
+
 _HOLDER, _RECEIVER = 0, 1
 
 
@@ -194,8 +198,8 @@ class ShardServer:
 
     def share(self) -> None:
         """Put a copy of the loaded tensors into this node's object store (packed into
-        objects of about :data:`BUCKET_BYTES`; the actor owns them), for receivers on this
-        node: :meth:`shared_copy`. A reload drops it (:meth:`loading`)."""
+        objects of about :data:`SHARED_OBJECT_BYTES`; the actor owns them), for receivers on
+        this node: :meth:`shared_copy`. A reload drops it (:meth:`loading`)."""
         with self._lock:
             tensors, generation = self._tensors, self._generation
         if tensors is None:
@@ -203,7 +207,7 @@ class ShardServer:
         names, refs = [], []
         values = list(tensors.values())
         sizes = [t.numel() * t.element_size() for t in values]
-        for bucket in buckets(sizes, self._bucket_bytes):
+        for bucket in buckets(sizes, SHARED_OBJECT_BYTES):
             names.append(tuple(list(tensors)[k] for k in bucket))
             refs.append(ray.put([_flat_bytes(values[k]).numpy() for k in bucket]))
         with self._lock:
