@@ -56,3 +56,10 @@ def test_bad_device_and_strategy_same_message_in_api_and_actor_side(tiny_llama: 
     from rayload.placement.bundles import unmet_resources
 
     assert _message(unmet_resources, [], "DIAGONAL", []).startswith(want)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_shared_copy_must_be_true_or_false(tiny_llama: Path, value: object) -> None:
+    # Checked in the driver before any Ray starts: 1 is not taken for True.
+    want = f"shared_copy must be True or False, got {value!r}"
+    assert _message(rayload.load, tiny_llama, 2, shared_copy=value) == want
