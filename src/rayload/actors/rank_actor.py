@@ -98,9 +98,10 @@ class RankActor:
     the fourth pauses this rank's sending to a receiver after its first bucket; the fifth
     sets the size of those buckets (see :mod:`rayload.actors.hooks`).
 
-    Once loaded, the rank is a *holder* for other replicas: :meth:`open_channel` and
-    :meth:`peer_ping` run in the actor's ``peer`` concurrency group, so they answer while
-    the main thread loads or runs engine code (:mod:`rayload.actors.peers`).
+    Once loaded, the rank is a *holder* for other replicas: :meth:`open_channel`,
+    :meth:`shared_copy` and :meth:`peer_ping` run in the actor's ``peer`` concurrency
+    group, so they answer while the main thread loads or runs engine code
+    (:mod:`rayload.actors.peers`).
     """
 
     def __init__(
