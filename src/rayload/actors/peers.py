@@ -168,6 +168,7 @@ class ShardServer:
         self._lock = threading.Lock()
         self._settled = threading.Event()
         self._tensors: Mapping[str, torch.Tensor] | None = None
+        self._sizes: dict[str, int] = {}
         self._failure: str | None = None
         self._generation = 0
         self._senders: list[threading.Thread] = []
@@ -180,7 +181,7 @@ class ShardServer:
         once they have stopped, so no send reads a tensor while it is rewritten."""
         with self._lock:
             self._settled.clear()
-            self._tensors, self._failure, self._copy = None, None, None
+            self._tensors, self._failure, self._copy, self._sizes = None, None, None, {}
             self._generation += 1
             senders, self._senders = self._senders, []
         for sender in senders:
@@ -189,6 +190,7 @@ class ShardServer:
     def loaded(self, tensors: Mapping[str, torch.Tensor]) -> None:
         with self._lock:
             self._tensors, self._failure = dict(tensors), None
+            self._sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
             self._settled.set()
 
     def failed(self, why: str) -> None:
@@ -201,27 +203,26 @@ class ShardServer:
         objects of about :data:`SHARED_OBJECT_BYTES`; the actor owns them), for receivers on
         this node: :meth:`shared_copy`. A reload drops it (:meth:`loading`)."""
         with self._lock:
-            tensors, generation = self._tensors, self._generation
+            tensors, sizes, generation = self._tensors, self._sizes, self._generation
         if tensors is None:
             return
-        names, refs = [], []
-        values = list(tensors.values())
-        sizes = [t.numel() * t.element_size() for t in values]
-        for bucket in buckets(sizes, SHARED_OBJECT_BYTES):
-            names.append(tuple(list(tensors)[k] for k in bucket))
+        names, values = list(tensors), list(tensors.values())
+        runs, refs = [], []
+        for bucket in buckets(list(sizes.values()), SHARED_OBJECT_BYTES):
+            runs.append(tuple(names[k] for k in bucket))
             refs.append(ray.put([_flat_bytes(values[k]).numpy() for k in bucket]))
         with self._lock:
             if self._generation == generation:
-                self._copy = SharedCopy(tuple(names), tuple(refs))
+                self._copy = SharedCopy(tuple(runs), tuple(refs))
 
     def shared_copy(self, want: Mapping[str, int]) -> SharedCopy | None:
         """The shared copy, when there is one of exactly the shards of ``want`` (name ->
         bytes); None otherwise (the receiver then opens a channel)."""
         with self._lock:
-            copy, tensors = self._copy, self._tensors
-        if copy is None or tensors is None:
+            copy, sizes = self._copy, self._sizes
+        if copy is None:
             return None
-        check_sizes(want, {n: t.numel() * t.element_size() for n, t in tensors.items()})
+        check_sizes(want, sizes)
         return copy
 
     def open(self, host: str, wait_s: float, want: Mapping[str, int]) -> PeerChannel:
@@ -237,16 +238,17 @@ class ShardServer:
         with self._lock:
             if self._tensors is None:
                 raise PeerUnavailable(f"its own load failed: {self._failure or 'no weights'}")
-            tensors, generation = self._tensors, self._generation
-        sizes = tuple(t.numel() * t.element_size() for t in tensors.values())
-        check_sizes(want, dict(zip(tensors, sizes, strict=True)))
+            tensors, sizes, generation = self._tensors, self._sizes, self._generation
+        check_sizes(want, sizes)
         store = dist.TCPStore(
             host, 0, 2, True, timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False
         )
-        channel = PeerChannel(host, int(store.port), tuple(tensors), sizes, self._bucket_bytes)
+        channel = PeerChannel(
+            host, int(store.port), tuple(sizes), tuple(sizes.values()), self._bucket_bytes
+        )
         sender = threading.Thread(
             target=self._send,
-            args=(store, host, list(tensors.values()), sizes, generation),
+            args=(store, host, list(tensors.values()), channel.sizes, generation),
             name=f"rayload-peer-send-{channel.port}",
             daemon=True,
         )
