@@ -29,6 +29,7 @@ def test_bench_cli_writes_report_and_exits_zero(
         str(tmp_path / "out"),
         "--workdir",
         str(tmp_path / "work"),
+        "--no-startup",  # whole rayload.load timings: tests/benchmark/test_startup.py
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out
