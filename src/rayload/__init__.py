@@ -7,8 +7,10 @@ start-up time goes.
     with rayload.load("path/to/model", tp_size=4) as result:
         print(result.startup_metrics, result.trace_id)
 
-``load`` and ``LoadResult`` are imported on first use, so ``import rayload`` (and the CLI's
-Ray-free commands) do not pay for importing Ray.
+``rayload.load(rayload.LoadConfig(path=..., tp_size=4))`` does the same from one typed
+config (:mod:`rayload.config`). ``load``, ``LoadResult`` and ``LoadConfig`` are imported on
+first use, so ``import rayload`` (and the CLI's Ray-free commands) do not pay for importing
+Ray or pydantic.
 """
 
 from __future__ import annotations
@@ -21,16 +23,17 @@ from rayload.loading.methods import LoadMethod
 
 if TYPE_CHECKING:
     from rayload.api import LoadResult, load
+    from rayload.config import LoadConfig
 
-__all__ = ["LoadMethod", "LoadResult", "RayloadError", "load"]
+__all__ = ["LoadConfig", "LoadMethod", "LoadResult", "RayloadError", "load"]
 __version__ = "0.1.0"
 
-_LAZY = {"load", "LoadResult"}
+_LAZY = {"load": "rayload.api", "LoadResult": "rayload.api", "LoadConfig": "rayload.config"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        from rayload import api
+        import importlib
 
-        return getattr(api, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'rayload' has no attribute {name!r}")

@@ -35,7 +35,7 @@ from rayload.actors.directory import ReplicaEntry
 from rayload.actors.hooks import hooks_from_env
 from rayload.actors.launch import load_ranks, plan_process_group, spawn_ranks, spawn_seconds
 from rayload.actors.messages import LoadRequest, RankState
-from rayload.actors.process_group import check_process_group
+from rayload.actors.process_group import ProcessGroupSpec
 from rayload.actors.rank_group import RankActorGroup
 from rayload.actors.sharing import (
     RECEIVING_METHODS,
@@ -43,6 +43,7 @@ from rayload.actors.sharing import (
     choose_sources,
     new_replica_id,
 )
+from rayload.config import LoadConfig
 from rayload.driver import TraceOutputs, notify, place, release, validate
 from rayload.errors import ConfigError
 from rayload.loading.checkpoint import open_checkpoint
@@ -51,8 +52,7 @@ from rayload.loading.methods import LoadMethod
 from rayload.loading.model import ModelContext, ModelFactory
 from rayload.loading.plan import plan_shards
 from rayload.loading.report import mixed_method_warnings
-from rayload.loading.rules import resolve_rules
-from rayload.options import check_flag, check_replicas
+from rayload.loading.rules import RulesArg, resolve_rules
 from rayload.placement import RankPlacement
 from rayload.progress import LoadProgress, ProgressCallback
 from rayload.result import LoadResult, ReloadResult
@@ -61,32 +61,21 @@ from rayload.tracing.connect_spans import add_connect_spans
 
 log = logging.getLogger(__name__)
 
-"""Requested methods for which ranks are given peer sources (others read storage)."""
-
 
 def load(
-    path: str | os.PathLike[str],
-    tp_size: int,
-    method: str | LoadMethod = "auto",
-    device: str = "auto",
+    config: LoadConfig | str | os.PathLike[str],
+    tp_size: int | None = None,
+    method: str | LoadMethod | None = None,
+    device: str | None = None,
     *,
-    strict: bool = False,
-    address: str | None = None,
-    placement_strategy: str = "STRICT_PACK",
-    trace_dir: str | os.PathLike[str] | None = None,
-    otlp_endpoint: str | None = None,
-    timeout: float = 600.0,
-    rules: Any = None,
-    model_role: str = "main",
-    progress: ProgressCallback | None = None,
-    process_group: str | None = "auto",
     model: ModelFactory | None = None,
-    expert_parallel: bool = False,
-    replicas: int = 1,
-    peers: bool = True,
-    shared_copy: bool = False,
+    progress: ProgressCallback | None = None,
+    rules: RulesArg = None,
+    **options: Any,
 ) -> LoadResult:
-    """Load the checkpoint at ``path`` onto Ray with ``tp_size`` ranks, one actor each.
+    """Load a checkpoint onto Ray, one actor per TP rank: ``load(LoadConfig(...))``, or
+    ``load(path, tp_size, method, device, **options)`` with the fields of
+    :class:`~rayload.config.LoadConfig` as keyword options (each documented there).
 
     Joins the Ray at ``address`` (or the one already initialized, or ``RAY_ADDRESS``), else
     starts a local Ray that :meth:`LoadResult.close` shuts down. Inside an actor that is
@@ -94,117 +83,72 @@ def load(
     that group; otherwise rayload creates a group with ``placement_strategy``.
     ``timeout`` (seconds) bounds the whole load, placement included. ``trace_dir`` gets the
     trace files and ``otlp_endpoint`` the spans, whether the load succeeds or fails.
+    ``process_group`` makes the ranks one ``torch.distributed`` group before they load
+    (span ``rank.process_group``). ``replicas`` loads that many data-parallel copies of the
+    TP group; with ``peers`` they (and later loads of the same checkpoint and plan) get
+    their bytes from a replica that holds them (:mod:`rayload.actors.sharing`).
 
-    ``process_group`` (``auto``, ``gloo``, ``nccl`` or None) makes the ranks one
-    ``torch.distributed`` group before they load (span ``rank.process_group``): ``auto``
-    is ``nccl`` when every rank's device is CUDA, else ``gloo``; None makes none.
-    ``model``, a ``factory(context: ModelContext) -> torch.nn.Module``, builds each rank's
-    module (best on the meta device) once its shards are loaded; rayload fills it in place
-    from the shards (:func:`rayload.loading.model.fill_model`, span ``rank.model``) and
-    hands it to :meth:`LoadResult.apply` functions as ``state.model``.
-    ``expert_parallel`` divides a mixture-of-experts model's experts among the ranks,
-    whole, instead of splitting each (:mod:`rayload.loading.experts`).
-
-    ``replicas`` loads that many data-parallel copies of the TP group (a placement group
-    each, one trace with a lane per replica and rank). ``peers`` offers the loaded
-    replicas to other loads of the same checkpoint and plan through the cluster's peer
-    directory, and lets ``auto`` (or ``peer``) ranks receive their bytes from a replica
-    that holds them instead of reading storage (:mod:`rayload.actors.sharing`): with
-    several replicas started together, each byte is read from storage once. With
-    ``peers=False`` no directory is used; the replicas of this load still share.
-    ``shared_copy`` makes each loaded rank also keep a copy of its shards in its node's
-    Ray object store (host shared memory, the shards' size per rank), so that a new
-    replica on the same node copies them from there once instead of receiving them over
-    TCP; receivers on other nodes are unaffected.
+    Code, not configuration, goes beside the config: ``model``, a
+    ``factory(context: ModelContext) -> torch.nn.Module`` that builds each rank's module
+    (best on the meta device), filled in place from its shards and handed to
+    :meth:`LoadResult.apply` functions as ``state.model``; ``progress``, a callback of
+    :class:`~rayload.progress.LoadProgress` events; and ``rules`` when it is a parsed rule
+    set (a rules file's path is the config's ``rules``).
 
     Raises :class:`~rayload.errors.InputError` (bad input, before any actor starts),
     :class:`~rayload.errors.RankFailedError` or :class:`~rayload.errors.RankTimeoutError`.
     """
     start_ns = time.time_ns()
-    source = validate(path, tp_size, method, device, placement_strategy, timeout, model_role)
-    check_replicas(replicas)
-    check_flag("shared_copy", shared_copy)
-    check_process_group(process_group, device)
-    if model is not None and not callable(model):
-        raise ConfigError(
-            f"model must be a factory(context: ModelContext) -> torch.nn.Module, got "
-            f"{type(model).__name__}"
-        )
+    if isinstance(rules, str | os.PathLike):  # a rules file is configuration
+        options["rules"], rules = rules, None
+    given = {"tp_size": tp_size, "method": method, "device": device}
+    options.update((k, v) for k, v in given.items() if v is not None)
+    config = LoadConfig.of(config, **options)
+    _check_model_factory(model)
+    source = validate(config.path)
     checkpoint = open_checkpoint(source)
-    if isinstance(rules, str | os.PathLike):
-        # Read a rules file once, here: the ranks' nodes may not see the driver's files.
-        rules = resolve_rules(rules, checkpoint.architecture)
-    plan = plan_shards(checkpoint, tp_size, rules=rules, expert_parallel=expert_parallel)
-    key = peer_key(checkpoint, plan)
-    outputs = TraceOutputs(trace_dir, otlp_endpoint)
+    rule_set = _read_rules(config.rules if rules is None else rules, checkpoint.architecture)
+    plan = plan_shards(
+        checkpoint, config.tp_size, rules=rule_set, expert_parallel=config.expert_parallel
+    )
+    outputs = TraceOutputs(config.trace_dir, config.otlp_endpoint)
     outputs.prepare()
-    hooks = hooks_from_env()
-    deadline = time.monotonic() + timeout
-    connection = cluster.connect_recorded(address, deadline=deadline)
-    started_ray = connection.started_ray
-    # The root span starts where the load started, so driver-side config parsing and Ray
-    # start-up are inside the trace's total, as their own spans.
-    trace = StartupTrace(tp_size=tp_size, model_role=model_role, start_ns=start_ns)
-    trace.add_span(schema.PREPARE_SPAN, start_ns, connection.start_ns, {"tp_size": tp_size})
-    add_connect_spans(trace, connection)
+    deadline = time.monotonic() + config.timeout
+    connection = cluster.connect_recorded(config.address, deadline=deadline)
+    trace = _start_trace(config, start_ns, connection)
+    base = _request(config, source, trace, checkpoint.config, rule_set, model)
+    # A Ray this load started ends with it: nobody else could load from its replicas.
+    sharing = PeerSharing(
+        peer_key(checkpoint, plan), source, enabled=config.peers and not connection.started_ray
+    )
     placements: list[RankPlacement] = []
     groups: list[RankActorGroup] = []
-    # A Ray this load started ends with it: nobody else could load from its replicas.
-    sharing = PeerSharing(key, source, enabled=peers and not started_ray)
     # Backstop for Ray calls that block while the head is gone (see rayload.cluster).
     watch = cluster.HeadWatch(lambda error: outputs.write(trace.finish(error=str(error))))
     watch.start()
     try:
         sharing.start()
         watch.phase = "creating the placement group"
-        placement_seconds = 0.0
-        for _ in range(replicas):
-            placement, seconds = place(
-                trace, tp_size, device, placement_strategy, deadline, reuse=replicas == 1
-            )
-            placements.append(placement)
-            placement_seconds += seconds
-        notify(progress, LoadProgress("placed", tp_size))
-        groups = [RankActorGroup(p, want_gpu=device != "cpu", hooks=hooks) for p in placements]
+        placement_seconds = _place_replicas(trace, config, deadline, into=placements)
+        notify(progress, LoadProgress("placed", config.tp_size))
         watch.phase = "starting the ranks"
-        spawn_ranks(trace, groups, deadline=deadline, timeout=timeout)
-        notify(progress, LoadProgress("spawned", tp_size))
-        group_specs = [
-            plan_process_group(trace, g, process_group, device, deadline=deadline, timeout=timeout)
-            for g in groups
-        ]
-        base = LoadRequest(
-            path=source,
-            tp_size=tp_size,
-            method=str(LoadMethod(method)),
-            device=device,
-            traceparent=trace.traceparent(),
-            strict=strict,
-            rules=rules,
-            model_role=model_role,
-            model=model,
-            model_config=dict(checkpoint.config or {}) if model is not None else None,
-            expert_parallel=expert_parallel,
-            shared_copy=shared_copy,
-        )
+        groups += _spawn_replicas(trace, config, placements, deadline)
+        notify(progress, LoadProgress("spawned", config.tp_size))
+        specs = [_process_group(trace, config, group, deadline) for group in groups]
         watch.phase = "finding peers"
-        requests = _claim_replicas(
-            trace, sharing, groups, base, group_specs, deadline=deadline, method=method
-        )
+        requests = _claim_replicas(trace, sharing, groups, base, specs, deadline=deadline)
         watch.phase = "loading the ranks"
         by_replica = load_ranks(
-            trace, groups, requests, deadline=deadline, timeout=timeout, progress=progress
+            trace, groups, requests, deadline=deadline, timeout=config.timeout, progress=progress
         )
         ranks = [report for reports in by_replica for report in reports]
         sharing.loaded([r.replica for r in requests])
-        warnings = [*sharing.warnings, *mixed_method_warnings(ranks)]
-        for warning in warnings:
-            log.warning("%s", warning)
+        warnings = _warn([*sharing.warnings, *mixed_method_warnings(ranks)])
         metrics = startup_metrics(
             ranks,
             placement_seconds=placement_seconds,
             actor_startup_seconds=_spawn_seconds(groups),
-            model_role=model_role,
+            model_role=config.model_role,
         )
         watch.phase = "finishing the load"
         publish_ray_metrics(metrics)
@@ -214,7 +158,7 @@ def load(
         watched_to_the_end = watch.stop()
         if not cluster.head_lost():
             sharing.drop()
-        release(groups, placements, started_ray)
+        release(groups, placements, connection.started_ray)
         if watched_to_the_end:  # else the watch already wrote the failed trace
             outputs.write(trace.finish(error=str(exc) or type(exc).__name__))
         raise
@@ -229,15 +173,115 @@ def load(
         placement=placements[0],
         placements=placements,
         trace=trace,
-        process_group=None if group_specs[0] is None else group_specs[0].backend,
+        process_group=None if specs[0] is None else specs[0].backend,
         replica_ids=[r.replica for r in requests],
-        peer_key=key,
+        peer_key=sharing.key,
+        config=config,
         _groups=groups,
         _sharing=sharing,
-        _started_ray=started_ray,
+        _started_ray=connection.started_ray,
         _outputs=outputs,
         _requests=requests,
     )
+
+
+def _read_rules(rules: RulesArg, architecture: str | None) -> RulesArg:
+    """A rules file read once, here: the ranks' nodes may not see the driver's files."""
+    return resolve_rules(rules, architecture) if isinstance(rules, str) else rules
+
+
+def _check_model_factory(model: object) -> None:
+    if model is not None and not callable(model):
+        raise ConfigError(
+            f"model must be a factory(context: ModelContext) -> torch.nn.Module, got "
+            f"{type(model).__name__}"
+        )
+
+
+def _start_trace(
+    config: LoadConfig, start_ns: int, connection: cluster.ConnectRecord
+) -> StartupTrace:
+    """The load's trace, its root starting where the load started, so driver-side config
+    parsing and Ray start-up are inside the trace's total, as their own spans."""
+    trace = StartupTrace(tp_size=config.tp_size, model_role=config.model_role, start_ns=start_ns)
+    trace.add_span(schema.PREPARE_SPAN, start_ns, connection.start_ns, {"tp_size": config.tp_size})
+    add_connect_spans(trace, connection)
+    return trace
+
+
+def _request(
+    config: LoadConfig,
+    source: str,
+    trace: StartupTrace,
+    model_config: dict[str, Any] | None,
+    rules: RulesArg,
+    model: ModelFactory | None,
+) -> LoadRequest:
+    """What every rank is asked to do, before its replica, process group and peers."""
+    return LoadRequest(
+        path=source,
+        tp_size=config.tp_size,
+        method=str(config.method),
+        device=config.device,
+        traceparent=trace.traceparent(),
+        strict=config.strict,
+        rules=rules,
+        model_role=config.model_role,
+        model=model,
+        model_config=dict(model_config or {}) if model is not None else None,
+        expert_parallel=config.expert_parallel,
+        shared_copy=config.shared_copy,
+    )
+
+
+def _place_replicas(
+    trace: StartupTrace, config: LoadConfig, deadline: float, *, into: list[RankPlacement]
+) -> float:
+    """A placement per replica, appended to ``into`` as each is made (so a failure
+    releases the ones made before); the seconds they took together."""
+    seconds = 0.0
+    for _ in range(config.replicas):
+        placement, took = place(
+            trace,
+            config.tp_size,
+            config.device,
+            config.placement_strategy,
+            deadline,
+            reuse=config.replicas == 1,
+        )
+        into.append(placement)
+        seconds += took
+    return seconds
+
+
+def _spawn_replicas(
+    trace: StartupTrace, config: LoadConfig, placements: list[RankPlacement], deadline: float
+) -> list[RankActorGroup]:
+    """Every replica's rank actors, started together (span ``rayload.spawn``)."""
+    hooks = hooks_from_env()
+    want_gpu = config.device != "cpu"
+    groups = [RankActorGroup(p, want_gpu=want_gpu, hooks=hooks) for p in placements]
+    spawn_ranks(trace, groups, deadline=deadline, timeout=config.timeout)
+    return groups
+
+
+def _process_group(
+    trace: StartupTrace, config: LoadConfig, group: RankActorGroup, deadline: float
+) -> ProcessGroupSpec | None:
+    return plan_process_group(
+        trace,
+        group,
+        config.process_group,
+        config.device,
+        deadline=deadline,
+        timeout=config.timeout,
+    )
+
+
+def _warn(warnings: list[str]) -> list[str]:
+    for warning in warnings:
+        log.warning("%s", warning)
+    return warnings
 
 
 def _claim_replicas(
@@ -245,10 +289,9 @@ def _claim_replicas(
     sharing: PeerSharing,
     groups: list[RankActorGroup],
     base: LoadRequest,
-    group_specs: list[Any],
+    group_specs: list[ProcessGroupSpec | None],
     *,
     deadline: float,
-    method: str | LoadMethod,
 ) -> list[LoadRequest]:
     """Register each replica in the peer directory, in order, and give its ranks their
     sources (span ``rayload.peers``): each replica's request."""
@@ -260,7 +303,8 @@ def _claim_replicas(
     for index, (group, spec) in enumerate(zip(groups, group_specs, strict=True)):
         holders, entry = sharing.claim(new_replica_id(), group, earlier)
         earlier.append(entry)
-        sources = choose_sources(holders, entry) if LoadMethod(method) in RECEIVING_METHODS else ()
+        receives = LoadMethod(base.method) in RECEIVING_METHODS
+        sources = choose_sources(holders, entry) if receives else ()
         sourced += sum(s is not None for s in sources)
         requests.append(
             replace(
@@ -296,6 +340,7 @@ def _spawn_seconds(groups: list[RankActorGroup]) -> dict[int, float]:
 
 
 __all__ = [
+    "LoadConfig",
     "LoadProgress",
     "LoadResult",
     "ModelContext",

@@ -22,13 +22,6 @@ from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.plan import ShardPlan, plan_shards
 from rayload.loading.rank import same_plan_problem
 from rayload.loading.report import RankReport
-from rayload.options import (
-    check_device,
-    check_model_role,
-    check_strategy,
-    check_tp_size,
-    parse_method,
-)
 from rayload.placement import RankPlacement, create_placement_group
 from rayload.placement.placement_group import current_placement
 from rayload.progress import LoadProgress, ProgressCallback
@@ -65,24 +58,10 @@ class TraceOutputs:
         return files
 
 
-def validate(
-    path: str | os.PathLike[str],
-    tp_size: int,
-    method: object,
-    device: str,
-    strategy: str,
-    timeout: float,
-    model_role: str,
-) -> str:
-    """Check the arguments; return the checkpoint path made absolute (actors may run with
-    another working directory)."""
-    check_tp_size(tp_size)
-    parse_method(method)
-    check_device(device)
-    check_strategy(strategy)
-    if not timeout > 0:
-        raise ConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
-    check_model_role(model_role)
+def validate(path: str | os.PathLike[str]) -> str:
+    """The checkpoint path made absolute (actors may run with another working directory);
+    :class:`CheckpointError` when nothing is there. (Every other option is checked by
+    :class:`~rayload.config.LoadConfig`.)"""
     source = os.path.abspath(os.fspath(path))
     if not os.path.exists(source):
         raise CheckpointError(

@@ -81,6 +81,27 @@ def check_strategy(strategy: object) -> str:
     return str(strategy)
 
 
+def check_process_group(value: object, device: str) -> None:
+    """``process_group`` (one of :data:`PROCESS_GROUPS` or None) for ``device``;
+    ConfigError otherwise, and for ``nccl`` on the CPU."""
+    if value is not None and value not in PROCESS_GROUPS:
+        raise ConfigError(
+            f"process_group must be one of {', '.join(PROCESS_GROUPS)} or None, got {value!r}"
+        )
+    if value == "nccl" and device == "cpu":
+        raise ConfigError(
+            "process_group='nccl' needs CUDA devices but device='cpu'; use "
+            "process_group='gloo' (or 'auto'), or device='cuda'"
+        )
+
+
+def check_timeout(timeout: object) -> float:
+    """``timeout`` in seconds as a float; ConfigError unless it is a number > 0."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise ConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
+    return float(timeout)
+
+
 def parse_method(method: object) -> LoadMethod:
     """``method`` as a :class:`~rayload.loading.methods.LoadMethod`; ConfigError listing
     the valid values if unknown."""

@@ -19,6 +19,7 @@ from rayload.actors.messages import Applied, LoadRequest
 from rayload.actors.peers import PeerRef
 from rayload.actors.rank_group import RankActorGroup
 from rayload.actors.sharing import RECEIVING_METHODS, PeerSharing, reload_sources
+from rayload.config import LoadConfig
 from rayload.driver import (
     TraceOutputs,
     check_same_plan,
@@ -57,7 +58,8 @@ class LoadResult:
     directory trouble. ``trace`` is the load's :class:`~rayload.tracing.StartupTrace`, to
     which :meth:`apply` adds the engine phases; :meth:`write_trace` writes it again.
     ``process_group`` is the backend the ranks' ``torch.distributed`` group uses (one
-    group per replica; None when the load made none).
+    group per replica; None when the load made none). ``config`` is what the load was
+    asked to do.
     """
 
     trace_id: str
@@ -73,6 +75,7 @@ class LoadResult:
     placements: list[RankPlacement] = field(default_factory=list)
     replica_ids: list[str] = field(default_factory=list)
     peer_key: str = ""
+    config: LoadConfig | None = None
     _groups: list[RankActorGroup] = field(default_factory=list, repr=False)
     _sharing: PeerSharing | None = field(default=None, repr=False)
     _started_ray: bool = field(default=False, repr=False)
@@ -164,20 +167,14 @@ class LoadResult:
         exactly which tensors had begun to be overwritten.
         """
         self._check_open()
-        if not self._requests or self._outputs is None:
+        if not self._requests or self._outputs is None or self.config is None:
             raise RuntimeError("this LoadResult was not made by rayload.load: nothing to reload")
         start_ns = time.time_ns()
         loaded = self._requests[0]
-        requested = loaded.method if method is None else method
-        source = validate(
-            loaded.path if path is None else path,
-            self.tp_size,
-            requested,
-            loaded.device,
-            self.placement.strategy,
-            timeout,
-            loaded.model_role,
-        )
+        changes = {"path": loaded.path if path is None else path, "timeout": timeout}
+        config = self.config.replace(**changes, **({} if method is None else {"method": method}))
+        requested = config.method
+        source = validate(config.path)
         deadline = time.monotonic() + timeout
         check_same_plan(self.plan, source, loaded)
         trace = StartupTrace(

@@ -24,6 +24,7 @@ from typing import Any
 from rayload.errors import ConfigError
 from rayload.loading.report import PhaseTimer
 from rayload.options import PROCESS_GROUPS
+from rayload.options import check_process_group as check_process_group  # checked there
 from rayload.tracing.schema import PROCESS_GROUP_SPAN
 
 log = logging.getLogger(__name__)
@@ -47,20 +48,6 @@ class ProcessGroupSpec:
     init_method: str
     world_size: int
     timeout_s: float
-
-
-def check_process_group(value: object, device: str) -> None:
-    """Validate ``load(process_group=value)`` in the driver (:class:`ConfigError`)."""
-    if value is not None and value not in PROCESS_GROUP_CHOICES:
-        raise ConfigError(
-            f"process_group must be one of {', '.join(PROCESS_GROUP_CHOICES)} or None, "
-            f"got {value!r}"
-        )
-    if value == "nccl" and device == "cpu":
-        raise ConfigError(
-            "process_group='nccl' needs CUDA devices but device='cpu'; use "
-            "process_group='gloo' (or 'auto'), or device='cuda'"
-        )
 
 
 def resolve_backend(requested: str, devices: Mapping[int, str]) -> str:
