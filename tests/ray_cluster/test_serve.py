@@ -60,7 +60,7 @@ def test_serve_replica_loads_into_its_placement_group_and_answers_top5(
     url = f"http://127.0.0.1:{unused_port}/"
     serve.start(http_options={"host": "127.0.0.1", "port": unused_port})
     try:
-        app = serve_example.build_app({"checkpoint": str(f32_llama), "tp": "2"})
+        app = serve_example.build_app({"load": {"path": str(f32_llama), "tp_size": 2, "device": "cpu"}})
         serve.run(app, name="rayload-test", route_prefix="/")
         summary = _get(url)
         assert len(summary["trace_id"]) == 32 and summary["tp_size"] == 2
@@ -128,7 +128,7 @@ def test_serve_scale_up_from_1_to_3_replicas_loads_the_new_ones_from_the_first(
     stop, statuses = threading.Event(), []
     try:
         built = serve_example.build_app(
-            {"checkpoint": str(tiny_llama), "tp": "2", "max_replicas": "3"}
+            {"load": {"path": str(tiny_llama), "tp_size": 2, "device": "cpu"}, "max_replicas": 3}
         )
         handle = serve.run(built, name=app, route_prefix="/")
         first = handle.load_report.remote().result()

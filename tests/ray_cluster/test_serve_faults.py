@@ -59,7 +59,7 @@ def test_killed_serve_replica_leaves_no_rank_actor_and_no_placement_group(
     serve.start(http_options={"host": "127.0.0.1", "port": unused_port})
     try:
         serve.run(
-            serve_example.build_app({"checkpoint": str(checkpoint), "tp": "2"}),
+            serve_example.build_app({"load": {"path": str(checkpoint), "tp_size": 2, "device": "cpu"}}),
             name="rayload-faults",
             route_prefix="/",
         )
