@@ -31,8 +31,11 @@ def field_flag(name: str) -> Flag:
 
 
 def option_name(name: str) -> str:
-    """The flag of field ``name``: ``--tp`` for ``tp_size``, ``dir`` for ``path``."""
-    return field_flag(name).name or "--" + name.replace("_", "-")
+    """The flag of field ``name``: ``--tp`` for ``tp_size``, ``DIR`` for ``path``."""
+    flag = field_flag(name)
+    if flag.positional:
+        return (flag.name or name).upper()
+    return flag.name or "--" + name.replace("_", "-")
 
 
 def choices(name: str) -> list[str] | None:
@@ -93,7 +96,7 @@ def add_field_flag(
         kwargs.pop("dest")
         return parser.add_argument(
             name,
-            metavar=flag.name.upper() if flag.name else None,
+            metavar=option_name(name),
             nargs="?" if overridable else None,
             default=argparse.SUPPRESS if overridable else None,
             help=kwargs["help"],
