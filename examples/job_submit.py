@@ -14,7 +14,9 @@ Inside the job ``rayload.load`` joins the job's cluster (``RAY_ADDRESS`` is set 
 gives every rank its part of rayload's reference TP model (``model=build_model``, one
 ``torch.distributed`` group over the ranks); the line holds the load's trace id, ranks and
 metrics, and ``top5``: the ids of the 5 highest next-token logits after ``--token-ids``.
-``--replicas N`` loads N copies of the TP group: replica 0 reads storage, the others
+``--config FILE`` reads the load's options from a YAML or JSON file of
+:class:`rayload.LoadConfig` fields (``rayload config`` lists them); the flags given replace
+its values. ``--replicas N`` loads N copies of the TP group: replica 0 reads storage, the others
 receive its shards through Ray's object store (their ranks' ``source`` says from whom);
 every replica runs the forward, ``top5`` is replica 0's.
 Without ``--checkpoint`` the job writes a tiny generated Llama (float32) to a temp dir on
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import rayload
+from rayload.config import config_from_file, read_config_file
 from rayload.loading import write_checkpoint
 from rayload.models import build_model
 
@@ -49,10 +53,11 @@ def next_token_top5(state: RankState, token_ids: list[int]) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="YAML or JSON file of rayload.LoadConfig fields")
     parser.add_argument("--checkpoint", help="checkpoint directory (default: generate one)")
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--replicas", type=int, default=1, help="copies of the TP group")
+    parser.add_argument("--tp", type=int, help="TP size (default: 2)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="(default: cpu)")
+    parser.add_argument("--replicas", type=int, help="copies of the TP group (default: 1)")
     parser.add_argument(
         "--token-ids",
         type=int,
@@ -61,12 +66,23 @@ def main() -> None:
         help="the prompt whose next token the model predicts (default: 1 2 3 4 5)",
     )
     args = parser.parse_args()
+    flags = {"path": args.checkpoint, "tp_size": args.tp, "device": args.device}
+    flags["replicas"] = args.replicas
+    given = {name: value for name, value in flags.items() if value is not None}
+    options = read_config_file(args.config) if args.config else {}
+    defaults = {k: v for k, v in {"tp_size": 2, "device": "cpu"}.items() if k not in options}
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = args.checkpoint or write_checkpoint(Path(tmp) / "tiny-llama", dtype="f32")
-        with rayload.load(
-            path, args.tp, device=args.device, model=build_model, replicas=args.replicas
-        ) as result:
+        if "path" not in {**options, **given}:
+            given["path"] = str(write_checkpoint(Path(tmp) / "tiny-llama", dtype="f32"))
+        try:
+            if args.config:
+                config = config_from_file(args.config, {**defaults, **given})
+            else:
+                config = rayload.LoadConfig.validated({**defaults, **given})
+        except rayload.RayloadError as exc:
+            sys.exit(f"job_submit.py: error: {exc}")
+        with rayload.load(config, model=build_model) as result:
             top5 = result.apply(next_token_top5, args.token_ids)[0]
             summary = {
                 "trace_id": result.trace_id,

@@ -258,14 +258,13 @@ class LoadConfig(BaseModel):
         return cls.validated(fields)
 
     @classmethod
-    def validated(cls, fields: Mapping[str, Any], *, source: str | None = None) -> LoadConfig:
+    def validated(cls, fields: Mapping[str, Any]) -> LoadConfig:
         """``LoadConfig(**fields)``, its :class:`ValidationError` turned into one
-        :class:`~rayload.errors.ConfigError` line (``source: `` before each message of a
-        field that came from that file, when ``source`` is given)."""
+        :class:`~rayload.errors.ConfigError` line."""
         try:
             return cls(**fields)
         except ValidationError as exc:
-            raise ConfigError(validation_message(exc, source=source)) from None
+            raise ConfigError(validation_message(exc)) from None
 
     def replace(self, **changes: Any) -> LoadConfig:
         """This config with ``changes``, validated again."""

@@ -1,6 +1,7 @@
-"""examples/job_submit.py through ``ray job submit`` against its own ``ray start --head``
-cluster, run entirely in subprocesses (own ports, own temp dir) and stopped by killing only
-that cluster's processes: never ``ray stop``, which would stop every Ray on the machine.
+"""examples/job_submit.py (options from ``--config FILE``, a flag overriding it) through
+``ray job submit`` against its own ``ray start --head`` cluster, run entirely in
+subprocesses (own ports, own temp dir) and stopped by killing only that cluster's
+processes: never ``ray stop``, which would stop every Ray on the machine.
 The job's next-token top 5 is held to transformers on the same generated checkpoint."""
 
 from __future__ import annotations
@@ -130,11 +131,15 @@ def test_job_submit_example_loads_inside_a_ray_job_and_prints_top5(
     head_node: HeadNode, tmp_path: Path
 ) -> None:
     token_ids = [7, 300, 42, 5]
+    # The load's options from a config file (the job runs on this machine: it reads it),
+    # --tp overriding the file's tp_size.
+    config = tmp_path / "load.yaml"
+    config.write_text("tp_size: 4\nmethod: scratch\ndevice: cpu\n")
     submit = [
         RAY, "job", "submit",
         "--address", head_node.dashboard,
         "--working-dir", str(REPO / "examples"),
-        "--", "python", "job_submit.py", "--tp", "2",
+        "--", "python", "job_submit.py", "--config", str(config), "--tp", "2",
         "--token-ids", *map(str, token_ids),
     ]  # fmt: skip
     run = subprocess.run(submit, env=head_node.env, capture_output=True, text=True, timeout=300)
@@ -144,6 +149,7 @@ def test_job_submit_example_loads_inside_a_ray_job_and_prints_top5(
     summary = json.loads(lines[0])
     assert summary["tp_size"] == 2 and len(summary["trace_id"]) == 32
     assert [r["rank"] for r in summary["ranks"]] == [0, 1]
+    assert {r["method"]["requested"] for r in summary["ranks"]} == {"scratch"}
     assert all(r["bytes_read"] > 0 and r["node_id"] for r in summary["ranks"])
     assert "succeeded" in run.stdout
     # The job generated this checkpoint in its own temp dir: the writer is deterministic.

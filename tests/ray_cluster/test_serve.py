@@ -60,7 +60,8 @@ def test_serve_replica_loads_into_its_placement_group_and_answers_top5(
     url = f"http://127.0.0.1:{unused_port}/"
     serve.start(http_options={"host": "127.0.0.1", "port": unused_port})
     try:
-        app = serve_example.build_app({"load": {"path": str(f32_llama), "tp_size": 2, "device": "cpu"}})
+        load = {"path": str(f32_llama), "tp_size": 2, "device": "cpu"}
+        app = serve_example.build_app({"load": load})
         serve.run(app, name="rayload-test", route_prefix="/")
         summary = _get(url)
         assert len(summary["trace_id"]) == 32 and summary["tp_size"] == 2

@@ -58,8 +58,9 @@ def test_killed_serve_replica_leaves_no_rank_actor_and_no_placement_group(
 ) -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": unused_port})
     try:
+        load = {"path": str(checkpoint), "tp_size": 2, "device": "cpu"}
         serve.run(
-            serve_example.build_app({"load": {"path": str(checkpoint), "tp_size": 2, "device": "cpu"}}),
+            serve_example.build_app({"load": load}),
             name="rayload-faults",
             route_prefix="/",
         )
