@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -213,7 +214,7 @@ def _request(
     config: LoadConfig,
     source: str,
     trace: StartupTrace,
-    model_config: dict[str, Any] | None,
+    model_config: Mapping[str, Any] | None,
     rules: RulesArg,
     model: ModelFactory | None,
 ) -> LoadRequest:

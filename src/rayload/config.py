@@ -236,8 +236,8 @@ class LoadConfig(BaseModel):
     @classmethod
     def _checked(cls, value: object, info: ValidationInfo) -> Any:
         """The field's check from rayload.options (one message per bad value)."""
-        check = _CHECKS[info.field_name or ""]
-        return _check(lambda v: check(info.field_name, v), value)
+        name = info.field_name or ""
+        return _check(lambda v: _CHECKS[name](name, v), value)
 
     @model_validator(mode="after")
     def _group_fits_device(self) -> LoadConfig:

@@ -139,7 +139,10 @@ class TPReplica:
     its own requests and may ``return await super().__call__(request)`` for the rest.
     """
 
-    async def __init__(self, config: LoadConfig, model: ModelFactory | None = None) -> None:
+    # Serve awaits an async constructor; mypy knows only plain ones.
+    async def __init__(  # type: ignore[misc]
+        self, config: LoadConfig, model: ModelFactory | None = None
+    ) -> None:
         self.result = await asyncio.to_thread(_load, config, model)
         self.report = load_report(self.result)
 
@@ -182,7 +185,7 @@ def application(
         checked = ServeArgs.of(args)
     except ConfigError as exc:
         raise RayServeException(str(exc)) from None
-    deployment = serve.deployment(cls, name=name or cls.__name__, **deployment_options(checked))
+    deployment = serve.deployment(name=name or cls.__name__, **deployment_options(checked))(cls)
     return deployment.bind(checked.load, model)
 
 
