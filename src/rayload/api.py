@@ -52,7 +52,7 @@ from rayload.loading.identity import peer_key
 from rayload.loading.methods import LoadMethod
 from rayload.loading.model import ModelContext, ModelFactory
 from rayload.loading.plan import plan_shards
-from rayload.loading.report import mixed_method_warnings
+from rayload.loading.report import RankReport, mixed_method_warnings
 from rayload.loading.rules import RulesArg, resolve_rules
 from rayload.placement import RankPlacement
 from rayload.progress import LoadProgress, ProgressCallback
@@ -144,15 +144,9 @@ def load(
         )
         ranks = [report for reports in by_replica for report in reports]
         sharing.loaded([r.replica for r in requests])
-        warnings = _warn([*sharing.warnings, *mixed_method_warnings(ranks)])
-        metrics = startup_metrics(
-            ranks,
-            placement_seconds=placement_seconds,
-            actor_startup_seconds=_spawn_seconds(groups),
-            model_role=config.model_role,
-        )
         watch.phase = "finishing the load"
-        publish_ray_metrics(metrics)
+        warnings = _warn([*sharing.warnings, *mixed_method_warnings(ranks)])
+        metrics = _metrics(config, ranks, groups, placement_seconds)
         files = outputs.write(trace.finish())
         watch.stop()
     except BaseException as exc:
@@ -277,6 +271,23 @@ def _process_group(
         deadline=deadline,
         timeout=config.timeout,
     )
+
+
+def _metrics(
+    config: LoadConfig,
+    ranks: list[RankReport],
+    groups: list[RankActorGroup],
+    placement_seconds: float,
+) -> dict[str, Any]:
+    """The load's startup metrics, published to Ray's metrics too."""
+    metrics = startup_metrics(
+        ranks,
+        placement_seconds=placement_seconds,
+        actor_startup_seconds=_spawn_seconds(groups),
+        model_role=config.model_role,
+    )
+    publish_ray_metrics(metrics)
+    return metrics
 
 
 def _warn(warnings: list[str]) -> list[str]:
