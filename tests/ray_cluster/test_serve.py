@@ -2,9 +2,11 @@
 run in the replica's own placement group, an HTTP GET returns the startup metrics and trace
 id, a POST answers the next-token top 5 of the TP forward over the ranks (held to
 transformers on the same float32 checkpoint), a bad body is a 400, and ``serve.shutdown()``
-leaves no actor or placement group behind. Autoscaled from 1 to 3 replicas under traffic,
-the new replicas receive every shard from the first through the peer directory and read
-no checkpoint bytes; deleting the app leaves no rank actor or placement group."""
+leaves no actor or placement group behind. Autoscaled from 1 to 3 replicas under traffic
+(which stops once Serve has chosen 3, so the new replicas start without forwards competing
+for the CPU), the new replicas receive every shard from the first through the peer
+directory and read no checkpoint bytes; deleting the app leaves no rank actor or placement
+group."""
 
 from __future__ import annotations
 
@@ -94,9 +96,14 @@ def test_serve_replica_loads_into_its_placement_group_and_answers_top5(
         serve.shutdown()
 
 
-def _running_replicas(app: str) -> int:
+def _replicas(app: str, *states: str) -> int:
+    """How many of the app's replicas are in any of ``states``."""
     deployments = serve.status().applications[app].deployments
-    return int(deployments["TPModel"].replica_states.get("RUNNING", 0))
+    return sum(int(deployments["TPModel"].replica_states.get(s, 0)) for s in states)
+
+
+_STARTED = ("STARTING", "UPDATING", "RUNNING")
+"""Replica states of a replica Serve has decided to run (``RECOVERING`` excluded)."""
 
 
 def _post_until(url: str, stop: threading.Event, statuses: list[int]) -> None:
@@ -137,18 +144,29 @@ def test_serve_scale_up_from_1_to_3_replicas_loads_the_new_ones_from_the_first(
         assert all(r["bytes_from_storage"] > 0 for r in first["ranks"])
 
         # Requests waiting behind the one forward a replica runs at a time: Serve scales up.
+        # The traffic stops once Serve has decided on 3 replicas (it scales down only after
+        # minutes), so the new replicas start and load without forwards competing for CPU.
         clients = [
             threading.Thread(target=_post_until, args=(url, stop, statuses)) for _ in range(4)
         ]
         for client in clients:
             client.start()
-        deadline = time.monotonic() + 90
-        while _running_replicas(app) < 3:
+        start = time.monotonic()
+        deadline = start + 90
+        while _replicas(app, *_STARTED) < 3:
             assert time.monotonic() < deadline, f"not scaled up: {serve.status()}"
-            time.sleep(0.5)
+            time.sleep(0.2)
+        decided = time.monotonic() - start
         stop.set()
         for client in clients:
             client.join(timeout=60)
+        while _replicas(app, "RUNNING") < 3:
+            assert time.monotonic() < deadline, f"not scaled up: {serve.status()}"
+            time.sleep(0.5)
+        print(
+            f"measured: Serve chose 3 replicas {decided:.1f} s into the traffic, all 3 "
+            f"running {time.monotonic() - start:.1f} s in"
+        )
         assert statuses and set(statuses) == {200}
 
         reports = {first["serve_replica"]: first}
