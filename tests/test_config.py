@@ -125,3 +125,14 @@ def test_a_file_that_is_no_mapping_is_one_line_naming_it(
 def test_docs_show_the_options_table_the_fields_make() -> None:
     """docs/design.md holds ``rayload config``'s table verbatim: the fields are its source."""
     assert options_table() in (DOCS / "design.md").read_text()
+
+
+def test_load_rank_takes_the_rank_fields_of_a_config(tiny_llama: Path) -> None:
+    from rayload.loading import load_rank
+
+    config = LoadConfig(path=str(tiny_llama), tp_size=2, method="scratch", device="cpu")
+    tensors, report = load_rank(rank=1, **config.rank_options())
+    expected, _ = load_rank(tiny_llama, 1, 2, "scratch", "cpu")
+    assert report.rank == 1 and report.method.effective.value == "scratch"
+    assert tensors.keys() == expected.keys()
+    assert all(tensors[name].equal(expected[name]) for name in expected)

@@ -106,6 +106,19 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
 (the rank loader and the planner use the same), so a bad value has one message."""
 
 
+RANK_FIELDS = (
+    "path",
+    "tp_size",
+    "method",
+    "device",
+    "strict",
+    "rules",
+    "model_role",
+    "expert_parallel",
+)
+"""The fields that apply to one rank loaded in the current process (``load_rank``)."""
+
+
 class LoadConfig(BaseModel):
     """Everything a load is asked to do, as data: ``rayload.load(LoadConfig(...))``.
 
@@ -265,6 +278,13 @@ class LoadConfig(BaseModel):
             return cls(**fields)
         except ValidationError as exc:
             raise ConfigError(validation_message(exc)) from None
+
+    def rank_options(self) -> dict[str, Any]:
+        """The fields a single rank's load takes, as keyword arguments of
+        :func:`rayload.loading.load_rank` (and ``reload_rank``):
+        ``load_rank(rank=1, **config.rank_options())``. The rest (placement, Ray, traces,
+        replicas, peers) is the driver's."""
+        return {name: getattr(self, name) for name in RANK_FIELDS}
 
     def replace(self, **changes: Any) -> LoadConfig:
         """This config with ``changes``, validated again."""

@@ -84,7 +84,12 @@ examples:
   rayload load /tmp/llama --tp 2 --method fastsafetensors_gdr --device cuda --strict-method
   rayload load /tmp/llama --tp 8 --address 10.0.0.1:6379 --placement-strategy SPREAD
   rayload load /tmp/llama --tp 4 --otlp-endpoint http://localhost:4317 --json
-  rayload load /tmp/llama --tp 2 --replicas 4 --address 10.0.0.1:6379"""
+  rayload load /tmp/llama --tp 2 --replicas 4 --address 10.0.0.1:6379
+  rayload load --config load.yaml --no-peers     the file's options, a flag replacing one
+
+A config file holds LoadConfig's field names (`rayload config` lists them), e.g.
+  path: /tmp/llama
+  tp_size: 4"""
 
 
 def add_commands(add: AddCommand) -> None:
