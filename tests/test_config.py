@@ -11,7 +11,8 @@ import pytest
 from pydantic import ValidationError
 
 import rayload
-from rayload.config import LoadConfig, config_from_file, options_table
+from rayload.cli.config import options_table
+from rayload.config import LoadConfig, config_from_file
 from rayload.errors import ConfigError
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"

@@ -367,43 +367,9 @@ def config_from_file(
         raise ConfigError(message) from None
 
 
-def options_table() -> str:
-    """The options of a load as a markdown table (name, type, default, doc): the table
-    in docs/design.md, printed by ``rayload config``."""
-    rows = ["| option | type | default | what it does |", "|---|---|---|---|"]
-    for name, field in LoadConfig.model_fields.items():
-        default = "required" if field.is_required() else f"`{_shown(field.default)}`"
-        kind = _type_name(field.annotation)
-        rows.append(f"| `{name}` | {kind} | {default} | {field.description} |")
-    return "\n".join(rows)
-
-
-def _shown(value: object) -> str:
-    """A default as YAML spells it."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
-
-
-def _type_name(annotation: object) -> str:
-    import typing
-
-    if annotation is LoadMethod:
-        return " \\| ".join(m.value for m in LoadMethod)
-    args = typing.get_args(annotation)
-    if typing.get_origin(annotation) is Literal:
-        return " \\| ".join(str(a) for a in args)
-    if args:
-        return " \\| ".join(_type_name(a) for a in args)
-    return "null" if annotation is type(None) else getattr(annotation, "__name__", str(annotation))
-
-
 __all__ = [
     "Flag",
     "LoadConfig",
     "config_from_file",
-    "options_table",
     "read_config_file",
 ]
