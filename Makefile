@@ -1,6 +1,7 @@
 # Two commands set everything up on a fresh machine:
 #   make demo   installs rayload in .venv and runs `rayload demo` (local Ray, no services)
 #   make test   installs rayload with its test extras (+ Chromium for the HTML test) and runs the tests
+#   make test-fast  the everyday loop: no Ray cluster, no browser, no test marked slow
 VENV ?= .venv
 PYTHON ?= python3
 # The CPU build of torch, installed first so a plain `torch` requirement does not pull CUDA.
@@ -8,7 +9,7 @@ PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-fast lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +28,9 @@ demo: setup
 test: setup
 	./scripts/install-system-deps.sh
 	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q --fast
 
 lint: setup
 	$(BIN)/ruff check src tests examples benchmarks

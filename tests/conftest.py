@@ -13,13 +13,22 @@
   logits (the oracle of the TP forward tests). Session-scoped.
 * ``write_raw_safetensors(path, header, data)``: write a possibly malformed file byte by
   byte (8-byte length, JSON header, data), for bad-input tests.
+
+The fast loop (``make test-fast`` = ``pytest --fast``) deselects the tests marked ``slow``,
+``ray`` (every test under tests/ray_cluster is marked here) and ``browser``, and keeps the
+selection honest: it points ``RAY_TMPDIR`` at an empty directory, and a test after which
+anything appeared there (Ray started, in this process or in a child) fails, naming the
+marker it needs.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +39,59 @@ from safetensors.torch import load_file, save_file
 from rayload.loading.synthetic import write_checkpoint
 
 MIXED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int32)
+FAST_SKIPS = ("slow", "ray", "browser")
+"""The markers ``--fast`` deselects."""
+_RAY_PACKAGE = Path(__file__).parent / "ray_cluster"
+_FAST_RAY_DIR = pytest.StashKey[str]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        help="the everyday loop: no test marked slow, ray or browser; fails a test that "
+        "starts Ray anyway",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--fast"):
+        # Short (Ray's socket paths must stay under 108 bytes) and empty: see _no_ray_in_fast.
+        ray_dir = tempfile.mkdtemp(prefix="rl-fast-")
+        config.stash[_FAST_RAY_DIR] = ray_dir
+        os.environ["RAY_TMPDIR"] = ray_dir
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    ray_dir = config.stash.get(_FAST_RAY_DIR, None)
+    if ray_dir is not None:
+        shutil.rmtree(ray_dir, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.is_relative_to(_RAY_PACKAGE):
+            item.add_marker(pytest.mark.ray)
+    if not config.getoption("--fast"):
+        return
+    keep = [i for i in items if not any(i.get_closest_marker(m) for m in FAST_SKIPS)]
+    config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+    items[:] = keep
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_in_fast(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Under ``--fast``: fail the test after which Ray left anything in ``RAY_TMPDIR``."""
+    ray_dir = request.config.stash.get(_FAST_RAY_DIR, None)
+    yield
+    if ray_dir is not None and os.listdir(ray_dir):
+        shutil.rmtree(ray_dir, ignore_errors=True)
+        os.makedirs(ray_dir)
+        pytest.fail(
+            "this test started Ray, which `make test-fast` runs without: mark it "
+            "@pytest.mark.ray (or slow)",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(scope="session")

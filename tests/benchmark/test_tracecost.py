@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from rayload.benchmark.summary import targets
+from rayload.benchmark.targets import targets
 from rayload.benchmark.tracecost import STEPS, cost_fractions, tracing_cost
 from rayload.loading import load_rank
 from rayload.loading.report import RankReport

@@ -13,12 +13,12 @@ from torch import nn
 
 from rayload.errors import ConfigError, InputError, ModelMismatchError
 from rayload.loading import PhaseTimer, load_rank, plan_shards
+from rayload.loading.fill import fill_model
 from rayload.loading.model import (
     ModelContext,
     build_and_fill,
     engine_phase_name,
     engine_phases,
-    fill_model,
 )
 from support.toy_llama import STACKED_PARAMS_MAPPING, ToyLlama, toy_llama_on_meta
 

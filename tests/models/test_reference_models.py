@@ -15,7 +15,8 @@ import torch
 from models.tp_processes import rank_logits
 from rayload.errors import ConfigError
 from rayload.loading import load_rank, open_checkpoint
-from rayload.loading.model import ModelContext, fill_model
+from rayload.loading.fill import fill_model
+from rayload.loading.model import ModelContext
 from rayload.models import MODELS, TensorParallel, UnsupportedModelError, build_model
 from support.transformers_models import EXPERTS, FAMILIES, MOE_FAMILIES, Reference, expert_id
 

@@ -34,7 +34,8 @@ def rank_logits(
     """Rank ``rank`` of ``tp``'s logits for the checkpoint at ``path``: its shards as
     rayload loads them, in the reference model, filled by rayload's filler."""
     from rayload.loading import load_rank, open_checkpoint
-    from rayload.loading.model import ModelContext, fill_model
+    from rayload.loading.fill import fill_model
+    from rayload.loading.model import ModelContext
     from rayload.models import build_model
 
     config = dict(open_checkpoint(path).config or {})

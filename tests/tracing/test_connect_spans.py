@@ -10,6 +10,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
+
 from rayload.tracing import connect_spans, schema
 from rayload.tracing.connect_spans import ConnectRecord, connect_phases
 from rayload.tracing.spawn_spans import SpawnPhase
@@ -43,6 +45,7 @@ def _covered(rows: Sequence[tuple[int, str, int, int]], depth: int) -> int:
     return sum(end - start for d, _, start, end in rows if d == depth)
 
 
+@pytest.mark.ray
 def test_connect_children_cover_a_local_ray_start() -> None:
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()

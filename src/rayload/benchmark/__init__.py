@@ -28,7 +28,7 @@ def run_benchmark(
     config: BenchConfig, *, progress: Callable[[str], None] = print
 ) -> dict[str, Any]:
     """Prepare the checkpoint, run every case and return the result as plain JSON types."""
-    from rayload.benchmark import runner, summary, verify
+    from rayload.benchmark import runner, summary, targets, verify
     from rayload.benchmark.cases import CASES
 
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -60,7 +60,7 @@ def run_benchmark(
         load_breakdown = measure_startup(
             prep.checkpoint, tp, repeat=config.repeat, device=config.device
         )
-    items = summary.targets(
+    items = targets.targets(
         summaries,
         tp=tp,
         load_breakdown=load_breakdown,
@@ -97,7 +97,8 @@ def run_benchmark(
 def write_report(result: dict[str, Any], out_dir: str | os.PathLike[str]) -> dict[str, Path]:
     """Write ``result`` as ``bench-<time>.json``/``.md``/``.png`` and ``latest.*`` copies."""
     from rayload.benchmark import render
-    from rayload.benchmark.summary import CaseSummary, Target
+    from rayload.benchmark.summary import CaseSummary
+    from rayload.benchmark.targets import Target
 
     summaries = [
         CaseSummary(**{**s, "effective": tuple(s["effective"])}) for s in result["summary"]

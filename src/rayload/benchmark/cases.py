@@ -133,7 +133,8 @@ def _scratch_model(job: RankJob) -> Loaded:
     in time and memory on top of the load. The returned tensors live in the model."""
     from rayload.loading import load_rank
     from rayload.loading.checkpoint import open_checkpoint
-    from rayload.loading.model import MODEL_PHASE, ModelContext, fill_model
+    from rayload.loading.fill import fill_model
+    from rayload.loading.model import MODEL_PHASE, ModelContext
     from rayload.models import build_model
 
     tensors, report = load_rank(job.checkpoint, job.rank, job.tp_size, "scratch", job.device)

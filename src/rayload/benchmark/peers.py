@@ -94,7 +94,8 @@ def run_peer_benchmark(
     config: PeerBenchConfig, *, progress: Callable[[str], None] = print
 ) -> dict[str, Any]:
     """Run the whole measurement in a child interpreter; return its result."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY")}
+    # Its own cluster, not one RAY_ADDRESS or the like names; RAY_TMPDIR still says where.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY") or k == "RAY_TMPDIR"}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [

@@ -11,7 +11,8 @@ from typing import Any
 
 from rayload.benchmark.cases import CASES
 from rayload.benchmark.layouts import TP
-from rayload.benchmark.summary import MB, MOE_CASES, CaseSummary, Target
+from rayload.benchmark.summary import MB, MOE_CASES, CaseSummary
+from rayload.benchmark.targets import Target
 from rayload.tracing import metrics, schema
 
 log = logging.getLogger(__name__)
@@ -275,20 +276,11 @@ def start_up_table(su: dict[str, Any]) -> str:
     rows = [
         [f"start-up figure (tp={tp}, median of {len(runs)} repetitions)", "s", "min-max"],
         ["---"] * 3,
-        row(f"{tp} bare interpreters at once (`python -c pass`)", "bare_interpreters_s"),
-        row(f"{tp} bare processes at once: `import torch, rayload`", "bare_imports_s"),
-        row(f"{tp} bare Ray actors at once (empty `__init__`), until ready", "bare_actors_s"),
-        row("loose floor: bare actors + bare imports - bare interpreters", "floor_s"),
-    ]
-    if "ray_floor_s" in m:
-        rows.append(
-            row(
-                f"**Ray's floor**: {tp} Ray actors importing torch + rayload, in a placement "
-                "group, until ready",
-                "ray_floor_s",
-            )
-        )
-    rows += [
+        row(
+            f"**Ray's floor**: {tp} Ray actors importing torch + rayload, in a placement "
+            "group, until ready",
+            "ray_floor_s",
+        ),
         [
             f"**rayload spawn** (slowest rank's `rayload.spawn`, {su['rayload_spawns']} loads)",
             f"{su['rayload_spawn_s']:.3f}",
@@ -322,12 +314,10 @@ def start_up_table(su: dict[str, Any]) -> str:
     ]
     lines = [
         f"Method {su['method']}, warm page cache, on the Ray of the loads above; each "
-        "repetition runs the bare figures, then a fresh load, its reload, then close and a "
+        "repetition measures Ray's floor, then a fresh load, its reload, then close and a "
         "fresh load again."
     ]
-    if su.get("bare_actor_imported_torch"):
-        lines.append("**Warning:** a bare actor had torch imported: its time is not bare.")
-    if "ray_floor_imported_torch" in su and not su["ray_floor_imported_torch"]:
+    if not su["ray_floor_imported_torch"]:
         lines.append("**Warning:** a floor actor had no torch imported: its time is too low.")
     lines.append("\n".join("| " + " | ".join(r) + " |" for r in rows))
     return "\n\n".join(lines)

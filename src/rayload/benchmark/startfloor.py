@@ -1,43 +1,31 @@
-"""Start-up against the floor of this machine, and a reload against a fresh load.
+"""Start-up against Ray's floor for these ranks, and a reload against a fresh load.
 
 Runs inside the child interpreter of :mod:`rayload.benchmark.startup`, on the Ray it
 started (one ``ray.init`` for the whole measurement). Each repetition, in this order:
 
-* ``bare_interpreters``: ``tp`` processes of ``python -c pass`` launched at once, timed
-  from the first launch to the last one's first statement (each prints
-  ``time.time_ns()``);
-* ``bare_imports``: the same, each running ``import torch, rayload`` first;
-* ``bare_actors``: ``tp`` Ray actors of a class whose ``__init__`` does nothing, with
-  rayload's CPU request, created at once, timed until every one answered a method call
-  (each also says whether torch was imported in it: it must not be);
 * ``ray_floor``: ``tp`` Ray actors whose module imports torch and rayload and that do
   nothing else (:mod:`rayload.benchmark.floor_actor`), in a placement group made as
   rayload makes one, with the rank actors' resources and options, timed until each
-  answered: what Ray itself must pay for these ranks;
+  answered: what Ray itself must pay for these ranks, started the way Ray staggers them;
 * a fresh ``rayload.load`` (its ``actor_startup_seconds``, from the ``rayload.spawn``
   spans, and its ``weight_population_seconds``), then ``result.reload()`` of the same
   checkpoint, then ``close`` + a second fresh ``rayload.load`` timed as one wall time.
 
-Two floors. ``ray_floor`` is the tight one, the target's: the same workers Ray starts for
-rayload's ranks, the same imports, started the way Ray staggers them, and no rayload work.
-``floor`` (``bare_actors + bare_imports - bare_interpreters``) is the earlier, loose one:
-``tp`` interpreters importing torch at the same instant on fewer cores contend harder than
-Ray's staggered workers, so it can lie above what a spawn costs (docs/benchmarks.md).
+An earlier, loose floor (bare interpreters, bare imports and bare actors, each ``tp`` at
+once) was measured here too and dropped once Ray's floor existed: ``tp`` interpreters
+importing torch at the same instant contend harder than Ray's staggered workers, so it lay
+above what a spawn costs (its figures stay in docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rayload.tracing import metrics, schema
 
-_IMPORTS = "import torch, rayload"
-_STAMP = "import time; print(time.time_ns(), flush=True)"
 SPAWN_PARTS = (
     schema.SPAWN_WORKER_WAIT_SPAN,
     schema.SPAWN_PROCESS_START_SPAN,
@@ -45,48 +33,6 @@ SPAWN_PARTS = (
     schema.SPAWN_ACTOR_INIT_SPAN,
 )
 """The children of the slowest rank's ``rayload.spawn`` reported beside its length."""
-
-
-def processes_at_once(n: int, code: str, *, timeout_s: float = 300.0) -> float:
-    """Seconds from launching ``n`` interpreters running ``code`` at once until the last
-    of them has run it (each prints its ``time.time_ns()`` when done)."""
-    start = time.time_ns()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", f"{code}\n{_STAMP}"], stdout=subprocess.PIPE, text=True
-        )
-        for _ in range(n)
-    ]
-    done = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=timeout_s)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{code!r} failed in a fresh interpreter (exit {proc.returncode})")
-        done.append(int(out.split()[-1]))
-    return (max(done) - start) / 1e9
-
-
-def bare_actors(n: int, *, num_cpus: float) -> tuple[float, bool]:
-    """Seconds from creating ``n`` do-nothing actors at once until each answered, and
-    whether any of them had torch imported (the class is pickled by value, so its worker
-    imports nothing of rayload)."""
-    import ray
-
-    class Bare:
-        def __init__(self) -> None:
-            pass
-
-        def ready(self) -> bool:
-            return "torch" in sys.modules
-
-    remote: Any = ray.remote(Bare)
-    start = time.perf_counter()
-    actors = [remote.options(num_cpus=num_cpus).remote() for _ in range(n)]
-    torch_seen = ray.get([a.ready.remote() for a in actors])
-    elapsed = time.perf_counter() - start
-    for actor in actors:
-        ray.kill(actor)
-    return elapsed, any(torch_seen)
 
 
 def importing_actors(n: int) -> tuple[float, bool]:
@@ -150,16 +96,7 @@ def _load(checkpoint: str, tp: int, method: str, device: str) -> tuple[Any, floa
 
 
 def _one_repetition(checkpoint: str, tp: int, method: str, device: str) -> dict[str, Any]:
-    from rayload.placement.bundles import DEFAULT_CPUS_PER_RANK
-
-    run: dict[str, Any] = {
-        "bare_interpreters_s": processes_at_once(tp, "pass"),
-        "bare_imports_s": processes_at_once(tp, _IMPORTS),
-    }
-    run["bare_actors_s"], run["bare_actor_imported_torch"] = bare_actors(
-        tp, num_cpus=DEFAULT_CPUS_PER_RANK
-    )
-    run["floor_s"] = run["bare_actors_s"] + run["bare_imports_s"] - run["bare_interpreters_s"]
+    run: dict[str, Any] = {}
     run["ray_floor_s"], run["ray_floor_imported_torch"] = importing_actors(tp)
     result, run["fresh_wall_s"] = _load(checkpoint, tp, method, device)
     aggregate = result.startup_metrics["aggregate"]
@@ -180,10 +117,6 @@ def _one_repetition(checkpoint: str, tp: int, method: str, device: str) -> dict[
 
 
 _MEDIANS = (
-    "bare_interpreters_s",
-    "bare_imports_s",
-    "bare_actors_s",
-    "floor_s",
     "ray_floor_s",
     "fresh_wall_s",
     "spawn_s",
@@ -218,14 +151,12 @@ def measure_floor(
         "rayload_spawn_s": statistics.median(spawns),
         "rayload_spawn_range": [min(spawns), max(spawns)],
         "rayload_spawns": len(spawns),
-        "floor_range": [min(r["floor_s"] for r in runs), max(r["floor_s"] for r in runs)],
         "ray_floor_range": [
             min(r["ray_floor_s"] for r in runs),
             max(r["ray_floor_s"] for r in runs),
         ],
         "ray_floor_imported_torch": all(r["ray_floor_imported_torch"] for r in runs),
         "spawn_parts": _median_parts([r["spawn_parts"] for r in runs]),
-        "bare_actor_imported_torch": any(r["bare_actor_imported_torch"] for r in runs),
         "runs": runs,
     }
 

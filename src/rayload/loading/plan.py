@@ -1,6 +1,9 @@
 """Shard planning: which exact byte ranges each TP rank reads.
 
-A plan is pure data computed from headers and sharding rules; backends execute it.
+A plan is pure data computed from headers and sharding rules; backends execute it. This
+module holds the plan's types and :func:`plan_shards`, which hands a checkpoint to its
+planner: :mod:`rayload.loading.plan_hf` cuts a Hugging Face checkpoint by its rules,
+:mod:`rayload.loading.plan_converted` reads the shards a converted one already holds.
 
 Byte layout of a shard, for a row-major tensor of shape ``(d0, d1, *rest)`` cut ``tp`` ways:
 
@@ -19,24 +22,17 @@ share a KV head each read it (the plan counts those bytes, ``replicated_head_byt
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import overload
 
-from rayload.errors import CheckpointError, ConfigError, ShardingError
 from rayload.loading.checkpoint import Checkpoint, TensorInfo, open_checkpoint
 from rayload.loading.dtypes import ITEMSIZE
-from rayload.loading.experts import expert_layout
-from rayload.loading.heads import HeadError, HeadLayout, Piece, kv_replicas, rank_pieces
-from rayload.loading.manifest import MANIFEST_NAME, Manifest
-from rayload.loading.rules import Rule, RulesArg, RuleSet, resolve_rules, unused_rule_message
-from rayload.loading.scales import block_size, is_scale, scale_pieces, scaled_weight
+from rayload.loading.heads import HeadLayout, Piece
+from rayload.loading.rules import RulesArg, resolve_rules
 from rayload.options import check_tp_size
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -255,302 +251,20 @@ def plan_shards(
     rules cannot split ``tp_size`` ways, CheckpointError for a bad checkpoint or one
     converted for another tp size.
     """
+    # The planners build this module's types, so they are imported here, not above.
+    from rayload.loading.plan_converted import plan_converted
+    from rayload.loading.plan_hf import plan_hf
+
     check_tp_size(tp_size)
     checkpoint = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     if checkpoint.layout == "converted":
-        return _plan_converted(checkpoint, tp_size, rules, expert_parallel)
-    ruleset = resolve_rules(rules, checkpoint.architecture)
-    return _plan_hf(checkpoint, tp_size, ruleset, expert_parallel)
-
-
-@dataclass
-class _Cut:
-    """How one tensor is cut: its split, every rank's pieces (None when whole), and the
-    rank that owns it alone (an expert's tensor under expert parallel)."""
-
-    split: int | None
-    pieces: list[tuple[Piece, ...]] | None = None
-    owner: int | None = None
-
-
-def _plan_hf(
-    checkpoint: Checkpoint, tp_size: int, ruleset: RuleSet, expert_parallel: bool
-) -> ShardPlan:
-    tensors = _in_file_order(checkpoint.files, checkpoint.tensors.values())
-    by_name = {t.name: t for t in tensors}
-    heads = HeadLayout.from_config(checkpoint.config)
-    rules = {t.name: ruleset.match(t.name) for t in tensors}
-    followers = {
-        t.name: weight
-        for t in tensors
-        if rules[t.name] is None and (weight := scaled_weight(t.name, by_name))
-    }
-    experts = None
-    if expert_parallel:
-        ids = {n: e for n, rule in rules.items() if rule and (e := rule.expert_id(n)) is not None}
-        experts = expert_layout(checkpoint.config, ids.values(), tp_size, root=checkpoint.root)
-    cuts: dict[str, _Cut] = {}
-    unmatched: list[str] = []
-    headless: list[str] = []
-    for info in tensors:
-        rule = rules[info.name]
-        if info.name in followers:
-            continue
-        if rule is None:
-            if not (is_scale(info.name) and math.prod(info.shape) <= 1):
-                unmatched.append(info.name)  # per-tensor scales are replicated by design
-            cuts[info.name] = _Cut(None)
-        elif experts is not None and (expert := rule.expert_id(info.name)) is not None:
-            cuts[info.name] = _Cut(None, owner=experts.owner(expert))
-        elif rule.split is None:
-            cuts[info.name] = _Cut(None)
-        else:
-            cuts[info.name] = _Cut(rule.split, _rank_pieces(info, rule, heads, tp_size))
-            if heads is None and {"q", "kv", "heads"} & set(rule.parts):
-                headless.append(info.name)
-    block = block_size(checkpoint.config)
-    for name, weight in followers.items():
-        cuts[name] = _following_cut(by_name[name], by_name[weight], cuts[weight], block)
-    if headless and tp_size > 1:
-        log.warning(
-            "%s: config.json declares no attention heads, so %d head-split tensors (e.g. "
-            "%s) are cut evenly, which may cut a head; add num_attention_heads to config.json",
-            checkpoint.root,
-            len(headless),
-            headless[0],
-        )
-    ranks = tuple(
-        RankPlan(
-            rank,
-            tp_size,
-            tuple(
-                _shard(t, cut.split, cut.pieces[rank] if cut.pieces else ())
-                for t in tensors
-                if (cut := cuts[t.name]).owner in (None, rank)
-            ),
-        )
-        for rank in range(tp_size)
-    )
-    splits = {name: cut.split for name, cut in cuts.items()}
-    unused = ruleset.unused_user_rules(splits)
-    for rule in unused:
-        log.warning(
-            "%s (%s): %s", checkpoint.root, ruleset.source, unused_rule_message(rule.pattern)
-        )
-    return ShardPlan(
-        tp_size=tp_size,
-        ranks=ranks,
-        splits=splits,
-        checkpoint_bytes=sum(t.nbytes for t in tensors),
-        unmatched=tuple(unmatched),
-        rules_source=ruleset.source,
-        layout=checkpoint.layout,
-        unused_rules=tuple(rule.pattern for rule in unused),
-        heads=heads,
-        kv_replicas=kv_replicas(heads, tp_size) if _has_kv_rule(ruleset, splits) else 1,
-        owners={n: cut.owner for n, cut in cuts.items() if cut.owner is not None},
-        experts=tuple(experts.of_rank(r) for r in range(tp_size)) if experts else (),
-        block_size=block,
+        return plan_converted(checkpoint, tp_size, rules, expert_parallel)
+    return plan_hf(
+        checkpoint, tp_size, resolve_rules(rules, checkpoint.architecture), expert_parallel
     )
 
 
-def _following_cut(
-    scale: TensorInfo, weight: TensorInfo, cut: _Cut, block: tuple[int, ...] | None
-) -> _Cut:
-    """The cut of ``scale``, a quantization scale of ``weight``: the weight's owner, and
-    its split in whole blocks (replicated when it is one number or the weight is whole)."""
-    if cut.split is None or cut.pieces is None or math.prod(scale.shape) <= 1:
-        return _Cut(None, owner=cut.owner)
-    if len(scale.shape) != len(weight.shape):
-        raise ShardingError(
-            f"tensor {scale.name!r} in {scale.file}: a scale of shape {list(scale.shape)} for "
-            f"the weight {weight.name!r} of shape {list(weight.shape)}, split on dimension "
-            f"{cut.split}: rayload cannot tell which of its elements go with which rank; "
-            "replicate it with a rules file",
-            tensor=scale.name,
-            file=scale.file,
-        )
-    try:
-        pieces = [
-            scale_pieces(scale.shape, weight.shape, cut.split, ranked, block)[0]
-            for ranked in cut.pieces
-        ]
-    except HeadError as exc:
-        tp = len(cut.pieces)
-        raise ShardingError(
-            f"tensor {scale.name!r} in {scale.file} (scales of {weight.name!r}, tp={tp}): {exc}",
-            tensor=scale.name,
-            file=scale.file,
-        ) from exc
-    return _Cut(cut.split, pieces, cut.owner)
-
-
-def _has_kv_rule(ruleset: RuleSet, names: Iterable[str]) -> bool:
-    return any("kv" in rule.parts for name in names if (rule := ruleset.match(name)))
-
-
-def _plan_converted(
-    checkpoint: Checkpoint, tp_size: int, rules: RulesArg, expert_parallel: bool
-) -> ShardPlan:
-    manifest = checkpoint.manifest
-    assert manifest is not None and checkpoint.rank_files is not None
-    check_converted_tp(checkpoint.root, manifest.tp_size, tp_size)
-    if rules is not None:
-        raise ConfigError(
-            f"{checkpoint.root} is a converted checkpoint: its sharding rules were fixed by "
-            f"`rayload convert`; drop the rules, or convert again with them"
-        )
-    if expert_parallel != manifest.expert_parallel:
-        asked, made = ("with", "without") if expert_parallel else ("without", "with")
-        raise ConfigError(
-            f"{checkpoint.root} was converted {made} expert parallel; load it {made} "
-            f"--expert-parallel, or convert the original again {asked} it"
-        )
-    ranks = []
-    dtypes: dict[str, str] = {}
-    for rank in range(tp_size):
-        tensors = _in_file_order(
-            checkpoint.rank_files[rank], checkpoint.rank_tensors(rank).values()
-        )
-        dtypes.update((t.name, t.dtype) for t in tensors)
-        for t in tensors:
-            _check_converted_shape(t, manifest, rank)
-        shards = tuple(
-            TensorShard(
-                name=t.name,
-                dtype=t.dtype,
-                full_shape=tuple(manifest.full_shapes[t.name]),
-                shape=t.shape,
-                split=manifest.splits[t.name],
-                ranges=(ByteRange(t.file, t.start, t.nbytes),),
-            )
-            for t in tensors
-        )
-        ranks.append(RankPlan(rank, tp_size, shards))
-    full_bytes = sum(
-        math.prod(manifest.full_shapes[name]) * ITEMSIZE[dtype] for name, dtype in dtypes.items()
-    )
-    return ShardPlan(
-        tp_size=tp_size,
-        ranks=tuple(ranks),
-        splits=dict(manifest.splits),
-        checkpoint_bytes=full_bytes,
-        rules_source="manifest",
-        layout=checkpoint.layout,
-        owners=dict(manifest.owners or {}),
-        experts=tuple(tuple(manifest.experts[r]) for r in range(tp_size))
-        if manifest.experts
-        else (),
-        block_size=tuple(manifest.block_size) if manifest.block_size else None,
-    )
-
-
-def _check_converted_shape(info: TensorInfo, manifest: Manifest, rank: int) -> None:
-    """CheckpointError naming the file and tensor when a converted rank file holds a tensor
-    of another shape than its manifest says (its shard shape, or the full shape cut evenly
-    on its split for manifests written before shard shapes were recorded)."""
-    if manifest.shard_shapes is not None and info.name in manifest.shard_shapes:
-        expected = tuple(manifest.shard_shapes[info.name])
-    else:
-        expected = shard_shape(
-            tuple(manifest.full_shapes[info.name]), manifest.splits[info.name], manifest.tp_size
-        )
-    if info.shape != expected:
-        raise CheckpointError(
-            f"{info.file}: tensor {info.name!r} of rank {rank} has shape {list(info.shape)}, "
-            f"but the manifest's full shape and split give {list(expected)}; "
-            f"re-run `rayload convert`",
-            file=info.file,
-            tensor=info.name,
-        )
-
-
-def check_converted_tp(root: str, converted_tp: int | None, tp_size: int) -> None:
-    """CheckpointError naming the manifest when the checkpoint at ``root`` was converted
-    (``converted_tp`` is not None) for another tp size than ``tp_size``."""
-    if converted_tp is not None and converted_tp != tp_size:
-        manifest = os.path.join(root, MANIFEST_NAME)
-        raise CheckpointError(
-            f"{manifest}: checkpoint was converted for tp_size={converted_tp}, not "
-            f"{tp_size}; load it with --tp {converted_tp} or convert the original "
-            f"checkpoint again with `rayload convert SRC OUT --tp {tp_size}`",
-            file=manifest,
-        )
-
-
-def shard_shape(full_shape: tuple[int, ...], split: int | None, tp_size: int) -> tuple[int, ...]:
-    """The shape of one rank's shard of a ``full_shape`` tensor cut evenly on ``split``
-    (divisibility is the caller's check)."""
-    if split is None or split >= len(full_shape):
-        return full_shape
-    return (*full_shape[:split], full_shape[split] // tp_size, *full_shape[split + 1 :])
-
-
-def _in_file_order(files: tuple[str, ...], tensors: Iterable[TensorInfo]) -> list[TensorInfo]:
+def in_file_order(files: tuple[str, ...], tensors: Iterable[TensorInfo]) -> list[TensorInfo]:
+    """``tensors`` in the order their bytes lie in ``files``: the order a plan lists them."""
     order = {f: i for i, f in enumerate(files)}
     return sorted(tensors, key=lambda t: (order[t.file], t.start))
-
-
-def _rank_pieces(
-    info: TensorInfo, rule: Rule, heads: HeadLayout | None, tp_size: int
-) -> list[tuple[Piece, ...]]:
-    """Every rank's pieces of ``info``'s split dimension; ShardingError naming the tensor
-    when the rule cannot split it ``tp_size`` ways."""
-    split = rule.split
-    assert split is not None
-    where = f"tensor {info.name!r} in {info.file}"
-    if split >= len(info.shape):
-        raise ShardingError(
-            f"{where} has shape {list(info.shape)}: it has no dimension {split} to split; "
-            f"fix the sharding rule that matches it (split 0 or replicate)",
-            tensor=info.name,
-            file=info.file,
-        )
-    size = info.shape[split]
-    if not rule.parts and size % tp_size:
-        raise ShardingError(
-            f"{where}: dimension {split} has size {size}, not divisible by tp={tp_size}; "
-            f"choose a tp size that divides it, or replicate the tensor with a rules file",
-            tensor=info.name,
-            file=info.file,
-        )
-    try:
-        return [
-            rank_pieces(rule.parts, size, heads, rule.head_size, tp_size, rank)
-            for rank in range(tp_size)
-        ]
-    except HeadError as exc:
-        raise ShardingError(
-            f"{where} (dimension {split}, parts {'/'.join(rule.parts) or 'even'}): {exc}",
-            tensor=info.name,
-            file=info.file,
-        ) from exc
-
-
-def _shard(info: TensorInfo, split: int | None, pieces: tuple[Piece, ...]) -> TensorShard:
-    """A rank's shard of ``info``: its ``pieces`` of dimension ``split`` (checked)."""
-    itemsize = ITEMSIZE[info.dtype]
-    if split is None:
-        ranges: Sequence[ByteRange] = (ByteRange(info.file, info.start, info.nbytes),)
-        return TensorShard(info.name, info.dtype, info.shape, info.shape, None, ranges)
-    shape = (*info.shape[:split], sum(n for _, n in pieces), *info.shape[split + 1 :])
-    if split == 0:
-        row = math.prod(info.shape[1:]) * itemsize
-        ranges = tuple(ByteRange(info.file, info.start + s * row, n * row) for s, n in pieces)
-    else:
-        inner = math.prod(info.shape[2:]) * itemsize
-        stride = info.shape[1] * inner
-        rows = info.shape[0]
-        if len(pieces) > 1:
-            ranges = tuple(
-                ByteRange(info.file, info.start + i * stride + s * inner, n * inner)
-                for i in range(rows)
-                for s, n in pieces
-            )
-        else:
-            start, block = pieces[0][0] * inner, pieces[0][1] * inner
-            if block == stride or rows == 1:
-                ranges = (ByteRange(info.file, info.start + start, block * rows),)
-            else:
-                ranges = RowRanges(info.file, info.start + start, block, stride, rows)
-    return TensorShard(info.name, info.dtype, info.shape, shape, split, ranges, pieces)

@@ -17,7 +17,7 @@ from rayload.errors import ConfigError, MethodUnavailableError
 from rayload.loading.checkpoint import Checkpoint, Layout
 from rayload.loading.manifest import MANIFEST_NAME
 from rayload.loading.methods import LoadMethod
-from rayload.loading.plan import check_converted_tp
+from rayload.loading.plan_converted import check_converted_tp
 from rayload.loading.probe import EnvProbe
 from rayload.options import parse_method
 

@@ -20,11 +20,14 @@ import pytest
 from rayload.tracing import StartupTrace, render_html, write_trace_files
 
 _CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-pytestmark = pytest.mark.skipif(
-    _CHROMIUM is None,
-    reason="chromium is not installed: run scripts/install-system-deps.sh "
-    "(apt-get install chromium)",
-)
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(
+        _CHROMIUM is None,
+        reason="chromium is not installed: run scripts/install-system-deps.sh "
+        "(apt-get install chromium)",
+    ),
+]
 _VOID = {"meta", "link", "br", "img", "input", "hr", "col", "area", "base", "source", "wbr"}
 
 

@@ -25,7 +25,8 @@ from rayload.loading.manifest import (
     verify_file_checksum,
 )
 from rayload.loading.methods import LoadMethod
-from rayload.loading.plan import RankPlan, check_converted_tp
+from rayload.loading.plan import RankPlan
+from rayload.loading.plan_converted import check_converted_tp
 from rayload.loading.reader.readplan import Read, Segment, shard_segments
 from rayload.loading.reader.reads import read_segments, shard_tensors
 from rayload.loading.report import READ, TO_DEVICE, PhaseTimer

@@ -1,16 +1,21 @@
 """Does pre-importing torch and rayload in Ray's worker processes make the rank actors'
 spawn faster? Measured side by side, as ratios, one fresh local Ray per trial.
 
-``python -m rayload.benchmark.preimport '{"checkpoint": ..., "tp_size": 4, "repeat": 3}'``
+A dropped experiment (the hook loses: docs/benchmarks.md, "pre-importing in Ray's worker
+setup hook"), kept here to be rerun, outside the package:
+
+    python benchmarks/preimport_hook.py '{"checkpoint": DIR, "tp_size": 4, "repeat": 3}'
+
 runs ``repeat`` pairs of trials, alternating the order (plain, hook; hook, plain; ...),
 each in its own interpreter that starts its own local Ray as rayload does
 (``address="local"``, no dashboard) and then runs one ``rayload.load``:
 
 * ``plain``: ``ray.init`` as rayload's :func:`rayload.cluster.connect` calls it;
-* ``hook``: the same with ``runtime_env={"worker_process_setup_hook":
-  "rayload.benchmark.floor_actor.preimport"}``: every worker of the job, including the
-  idle workers Ray prestarts when the driver connects, imports torch and the rank actor's
-  module when it starts, before any actor is given to it.
+* ``hook``: the same with ``runtime_env={"worker_process_setup_hook": _preimport}``:
+  every worker of the job, including the idle workers Ray prestarts when the driver
+  connects, imports torch and the rank actor's module when it starts, before any actor is
+  given to it. (The runs in docs/benchmarks.md named the same function by its import path
+  when it lived in the package; Ray pickles this one by value.)
 
 Each trial reports ``ray.init``'s wall time, the load's wall time, their sum (what a user
 waits for), the slowest rank's spawn and its parts, and how many ranks got a worker Ray
@@ -27,9 +32,14 @@ import sys
 import time
 from typing import Any
 
-HOOK = "rayload.benchmark.floor_actor.preimport"
-"""The ``worker_process_setup_hook`` of the ``hook`` trials."""
 VARIANTS = ("plain", "hook")
+
+
+def _preimport() -> None:
+    """The ``worker_process_setup_hook`` of the ``hook`` trials: the rank actor's heavy
+    imports (torch comes with it), done when a Ray worker starts rather than when the rank
+    actor's module is first loaded."""
+    import rayload.actors.rank_actor  # noqa: F401
 
 
 def _trial(checkpoint: str, tp: int, variant: str) -> dict[str, Any]:
@@ -42,7 +52,7 @@ def _trial(checkpoint: str, tp: int, variant: str) -> dict[str, Any]:
 
     options: dict[str, Any] = {}
     if variant == "hook":
-        options["runtime_env"] = {"worker_process_setup_hook": HOOK}
+        options["runtime_env"] = {"worker_process_setup_hook": _preimport}
     start = time.perf_counter()
     ray.init(
         address="local",
@@ -89,7 +99,7 @@ def measure_preimport(checkpoint: str, tp: int, *, repeat: int) -> dict[str, Any
         for variant in VARIANTS if rep % 2 == 0 else VARIANTS[::-1]:
             args = json.dumps({"trial": variant, "checkpoint": checkpoint, "tp_size": tp})
             done = subprocess.run(
-                [sys.executable, "-m", "rayload.benchmark.preimport", args],
+                [sys.executable, __file__, args],
                 capture_output=True,
                 text=True,
                 timeout=600,
