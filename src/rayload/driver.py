@@ -22,6 +22,7 @@ from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.plan import ShardPlan, plan_shards
 from rayload.loading.rank import same_plan_problem
 from rayload.loading.report import RankReport
+from rayload.loading.storage import is_remote
 from rayload.options import (
     check_device,
     check_model_role,
@@ -83,6 +84,8 @@ def validate(
     if not timeout > 0:
         raise ConfigError(f"timeout must be > 0 seconds, got {timeout!r}")
     check_model_role(model_role)
+    if is_remote(os.fspath(path)):
+        return os.fspath(path).rstrip("/")  # its listing names what is missing
     source = os.path.abspath(os.fspath(path))
     if not os.path.exists(source):
         raise CheckpointError(
