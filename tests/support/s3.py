@@ -8,7 +8,8 @@ environment: the endpoint is the proxy's port (chosen then), the secret a random
 (:func:`s3_server`), once per session.
 
 Faults (:meth:`S3Proxy.inject`) apply to the next GETs with a ``Range`` of a key ending
-with a suffix and at least ``min_length`` bytes long (tensor data, not headers):
+with a suffix, starting at ``min_start`` or later (tensor data, not headers); ``denied``
+applies to any request of such a key:
 
 * ``slowdown``: 503 SlowDown (botocore retries it);
 * ``reset`` / ``short``: half the body, then a TCP reset / a clean close;
@@ -20,6 +21,7 @@ with a suffix and at least ``min_length`` bytes long (tensor data, not headers):
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import os
 import secrets
@@ -29,7 +31,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -67,7 +68,7 @@ class _Fault:
     kind: str
     suffix: str
     times: int
-    min_length: int
+    min_start: int
 
 
 @dataclass
@@ -91,9 +92,9 @@ class S3Proxy:
     lock: threading.Lock = field(default_factory=threading.Lock)
     client: Any = None
 
-    def inject(self, kind: str, *, suffix: str = "", times: int = 1, min_length: int = 1024) -> None:
+    def inject(self, kind: str, *, suffix: str = "", times: int = 1, min_start: int = 0) -> None:
         with self.lock:
-            self.faults.append(_Fault(kind, suffix, times, min_length))
+            self.faults.append(_Fault(kind, suffix, times, min_start))
 
     def clear(self) -> None:
         with self.lock:
@@ -103,20 +104,22 @@ class S3Proxy:
     def served_bytes(self, prefix: str = "") -> int:
         """Body bytes of the GETs of keys under ``prefix`` (``bucket/key...``)."""
         with self.lock:
-            return sum(r.body_bytes for r in self.log if r.method == "GET" and r.key.startswith(prefix))
+            return sum(
+                r.body_bytes for r in self.log if r.method == "GET" and r.key.startswith(prefix)
+            )
 
     def requests(self, prefix: str = "") -> list[Served]:
         with self.lock:
             return [r for r in self.log if r.key.startswith(prefix)]
 
     def take_fault(self, method: str, key: str, range_: str | None) -> str | None:
-        if method != "GET" or range_ is None:
-            return None
-        first, _, last = range_.removeprefix("bytes=").partition("-")
-        length = int(last) - int(first) + 1 if last else 1 << 62
+        ranged = method == "GET" and range_ is not None
+        start = int(range_.removeprefix("bytes=").partition("-")[0]) if ranged and range_ else -1
         with self.lock:
             for fault in self.faults:
-                if fault.times and key.endswith(fault.suffix) and length >= fault.min_length:
+                if not fault.times or not key.endswith(fault.suffix):
+                    continue
+                if fault.kind == "denied" or (ranged and start >= fault.min_start):
                     fault.times -= 1
                     return fault.kind
         return None
@@ -137,11 +140,15 @@ def _handler(proxy: S3Proxy) -> type[BaseHTTPRequestHandler]:
             body = self.rfile.read(length) if length else None
             fault = proxy.take_fault(method, key, headers.get("Range"))
             if fault in ("slowdown", "denied"):
-                self._error(method, key, *(
-                    (503, "SlowDown", "Please reduce your request rate.")
-                    if fault == "slowdown"
-                    else (403, "AccessDenied", "Access Denied")
-                ))
+                self._error(
+                    method,
+                    key,
+                    *(
+                        (503, "SlowDown", "Please reduce your request rate.")
+                        if fault == "slowdown"
+                        else (403, "AccessDenied", "Access Denied")
+                    ),
+                )
                 return
             if fault == "ignore_range":
                 headers = {k: v for k, v in headers.items() if k.lower() != "range"}
@@ -208,10 +215,8 @@ class S3Server:
     def upload(self, directory: Path, bucket: str, prefix: str) -> str:
         """Upload every file of ``directory`` (not recursive) under ``bucket/prefix``;
         returns ``s3://bucket/prefix``."""
-        try:
+        with contextlib.suppress(self.client.exceptions.BucketAlreadyOwnedByYou):
             self.client.create_bucket(Bucket=bucket)
-        except self.client.exceptions.BucketAlreadyOwnedByYou:
-            pass
         for path in sorted(Path(directory).iterdir()):
             if path.is_file():
                 self.client.upload_file(str(path), bucket, f"{prefix}/{path.name}")
@@ -266,7 +271,3 @@ def _start() -> S3Server:
             time.sleep(0.1)
     proxy.client = direct
     return S3Server(proxy, boto3.client("s3", endpoint_url=ENDPOINT), ENDPOINT)
-
-
-def iter_files(root: Path) -> Iterator[Path]:
-    yield from sorted(p for p in root.iterdir() if p.is_file())
