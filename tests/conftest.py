@@ -37,6 +37,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rayload.loading.synthetic import write_checkpoint
+from support.s3 import s3_environment
+
+# The standard AWS environment naming the tests' S3 server (tests/support/s3.py), set before
+# any Ray cluster starts: rank actors inherit it as their node's environment.
+os.environ.update(s3_environment())
 
 MIXED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int32)
 FAST_SKIPS = ("slow", "ray", "browser")

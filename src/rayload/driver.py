@@ -22,6 +22,7 @@ from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.plan import ShardPlan, plan_shards
 from rayload.loading.rank import same_plan_problem
 from rayload.loading.report import RankReport
+from rayload.loading.storage import is_remote
 from rayload.placement import RankPlacement, create_placement_group
 from rayload.placement.placement_group import current_placement
 from rayload.progress import LoadProgress, ProgressCallback
@@ -62,6 +63,8 @@ def validate(path: str | os.PathLike[str]) -> str:
     """The checkpoint path made absolute (actors may run with another working directory);
     :class:`CheckpointError` when nothing is there. (Every other option is checked by
     :class:`~rayload.config.LoadConfig`.)"""
+    if is_remote(os.fspath(path)):
+        return os.fspath(path).rstrip("/")  # its listing names what is missing
     source = os.path.abspath(os.fspath(path))
     if not os.path.exists(source):
         raise CheckpointError(

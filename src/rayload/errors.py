@@ -5,6 +5,9 @@
     RayloadError                      root: catch this to catch everything rayload raises
     ├── InputError                    bad input or arguments; the CLI exits with code 2
     │   ├── CheckpointError           a checkpoint file, header, index or manifest is wrong
+    │   │   └── StorageError          object storage refused or failed a request: missing
+    │   │                             bucket or key, access denied, unreachable endpoint,
+    │   │                             an object that changed during the load
     │   ├── ShardingError             a tensor cannot be split as the rules say
     │   ├── ConfigError               a user option, rules file or device request is invalid
     │   ├── ModelMismatchError        the engine's module (``model=``) and the rank's shards
@@ -53,6 +56,18 @@ class CheckpointError(InputError):
         super().__init__(message)
         self.file = file
         self.tensor = tensor
+
+
+class StorageError(CheckpointError):
+    """Object storage could not give the checkpoint's bytes. ``url`` is the object or
+    prefix (``s3://bucket/key``); ``missing`` is True when it does not exist. The message
+    names the bucket, key and endpoint, and for access denied where the credentials came
+    from, never their value."""
+
+    def __init__(self, message: str, *, url: str, missing: bool = False):
+        super().__init__(message, file=url)
+        self.url = url
+        self.missing = missing
 
 
 class ShardingError(InputError):

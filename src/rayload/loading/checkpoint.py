@@ -9,6 +9,11 @@ Layouts (see docs/design.md "Checkpoint layouts"):
 Detection, for a directory: an index makes it ``hf_index``, else a manifest makes it
 ``converted``, else ``model.safetensors`` or the directory's only ``*.safetensors`` file
 makes it ``hf_single``. A path to a ``.safetensors`` file is ``hf_single``.
+
+Any layout may sit in object storage (``s3://bucket/prefix``, see
+:mod:`~rayload.loading.storage`): the prefix is listed once (each object's size and
+version pinned), then the config, index or manifest and every header are read by ranged
+GETs, concurrently; no tensor byte is fetched.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any, Literal
 from rayload.errors import CheckpointError
 from rayload.loading.header import FileHeader, TensorInfo, read_header
 from rayload.loading.manifest import MANIFEST_NAME, Manifest, read_manifest
+from rayload.loading.storage import is_remote, storage_for
 
 __all__ = ["Checkpoint", "Layout", "TensorInfo", "open_checkpoint"]
 
@@ -66,7 +72,7 @@ class Checkpoint:
 
     @property
     def total_bytes(self) -> int:
-        return sum(os.path.getsize(f) for f in self.files)
+        return sum(storage_for(f).size(f) for f in self.files)
 
     @property
     def tensor_bytes(self) -> int:
@@ -87,8 +93,11 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     validate every header, and return the :class:`Checkpoint`.
 
     Raises :class:`rayload.errors.CheckpointError` naming the file (and tensor) on any of
-    the bad inputs listed in docs/design.md.
+    the bad inputs listed in docs/design.md (:class:`~rayload.errors.StorageError` when
+    object storage refuses or fails).
     """
+    if is_remote(os.fspath(path)):
+        return _open_remote(os.fspath(path).rstrip("/"))
     given = os.path.abspath(os.fspath(path))
     if os.path.isfile(given):
         if not given.endswith(".safetensors"):
@@ -112,12 +121,37 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     return _single(given, _find_single(given), config)
 
 
+def _open_remote(url: str) -> Checkpoint:
+    storage = storage_for(url)
+    repin = getattr(storage, "repin", None)
+    if repin is not None:
+        repin(url)  # every open reads the objects as they are now
+    if url.endswith(".safetensors"):
+        root = url.rpartition("/")[0]
+        storage.size(url)  # StorageError naming bucket, key and endpoint when missing
+        return _single(root, url, _read_config(root))
+    names = storage.listdir(url)
+    if not names:
+        raise CheckpointError(
+            f"{url}: no objects under this prefix; pass the prefix holding config.json and "
+            "the .safetensors files",
+            file=url,
+        )
+    config = _read_config(url)
+    if INDEX_NAME in names:
+        return _indexed(url, config)
+    if MANIFEST_NAME in names:
+        return _converted(url, config)
+    return _single(url, _find_single(url), config)
+
+
 def _find_single(root: str) -> str:
-    if os.path.isfile(os.path.join(root, SINGLE_NAME)):
-        return os.path.join(root, SINGLE_NAME)
-    found = sorted(n for n in os.listdir(root) if n.endswith(".safetensors"))
+    storage = storage_for(root)
+    if storage.is_file(storage.join(root, SINGLE_NAME)):
+        return storage.join(root, SINGLE_NAME)
+    found = [n for n in storage.listdir(root) if n.endswith(".safetensors")]
     if len(found) == 1:
-        return os.path.join(root, found[0])
+        return storage.join(root, found[0])
     if not found:
         raise CheckpointError(
             f"{root}: no .safetensors file, {INDEX_NAME} or {MANIFEST_NAME}; "
@@ -137,7 +171,7 @@ def _single(root: str, file: str, config: Mapping[str, Any] | None) -> Checkpoin
 
 
 def _indexed(root: str, config: Mapping[str, Any] | None) -> Checkpoint:
-    index_path = os.path.join(root, INDEX_NAME)
+    index_path = storage_for(root).join(root, INDEX_NAME)
     weight_map = _read_weight_map(index_path)
     names = sorted(set(weight_map.values()))
     paths = {name: inside_root(root, name, referrer=index_path) for name in names}
@@ -167,15 +201,16 @@ def _indexed(root: str, config: Mapping[str, Any] | None) -> Checkpoint:
 
 
 def _converted(root: str, config: Mapping[str, Any] | None) -> Checkpoint:
-    manifest_path = os.path.join(root, MANIFEST_NAME)
+    storage = storage_for(root)
+    manifest_path = storage.join(root, MANIFEST_NAME)
     manifest = read_manifest(manifest_path)
-    on_disk = {n for n in os.listdir(root) if n.endswith(".safetensors")}
+    on_disk = {n for n in storage.listdir(root) if n.endswith(".safetensors")}
     if stray := sorted(on_disk - manifest.files.keys()):
         raise CheckpointError(
-            f"{manifest_path}: {os.path.join(root, stray[0])} is not listed in the manifest; "
+            f"{manifest_path}: {storage.join(root, stray[0])} is not listed in the manifest; "
             f"the directory mixes two conversions: re-run `rayload convert` into an empty "
             f"directory",
-            file=os.path.join(root, stray[0]),
+            file=storage.join(root, stray[0]),
         )
     rank_files: dict[int, tuple[str, ...]] = {}
     for rank in range(manifest.tp_size):
@@ -203,7 +238,7 @@ def _converted(root: str, config: Mapping[str, Any] | None) -> Checkpoint:
 
 def _checked_rank_file(root: str, name: str, manifest: Manifest, manifest_path: str) -> str:
     path = inside_root(root, name, referrer=manifest_path)
-    size, expected = os.path.getsize(path), manifest.files[name].size
+    size, expected = storage_for(path).size(path), manifest.files[name].size
     if size != expected:
         raise CheckpointError(
             f"{path}: is {size} bytes but {manifest_path} says {expected}; the file is "
@@ -274,7 +309,10 @@ def _read_weight_map(index_path: str) -> dict[str, str]:
 
 def inside_root(root: str, name: str, *, referrer: str) -> str:
     """The absolute path of file ``name`` listed in ``referrer``, checked to exist and to
-    stay inside ``root`` once symlinks are resolved."""
+    stay inside ``root`` once symlinks are resolved (in object storage: a plain name,
+    no ``..``, listed under the prefix)."""
+    if is_remote(root):
+        return _inside_remote(root, name, referrer=referrer)
     candidate = os.path.join(root, name)
     real_root = os.path.realpath(root)
     real = os.path.realpath(candidate)
@@ -294,6 +332,24 @@ def inside_root(root: str, name: str, *, referrer: str) -> str:
     return os.path.abspath(candidate)
 
 
+def _inside_remote(root: str, name: str, *, referrer: str) -> str:
+    storage = storage_for(root)
+    candidate = storage.join(root, name)
+    if name.startswith("/") or ".." in name.split("/") or "" in name.split("/"):
+        raise CheckpointError(
+            f"{referrer}: names file {name!r}, which is not a plain name inside the "
+            f"checkpoint prefix {root}; refusing to read it: list only objects under it",
+            file=candidate,
+        )
+    if not storage.is_file(candidate):
+        raise CheckpointError(
+            f"{referrer}: names file {candidate}, which does not exist; the upload is "
+            f"incomplete: upload the missing file",
+            file=candidate,
+        )
+    return candidate
+
+
 def read_headers(paths: list[str]) -> list[FileHeader]:
     """Headers of ``paths``, in order; read in parallel (network filesystems pay a round
     trip per file), the first error raised in path order."""
@@ -306,8 +362,7 @@ def read_headers(paths: list[str]) -> list[FileHeader]:
 def read_json(path: str, *, what: str) -> Any:
     """The JSON document at ``path``; CheckpointError naming it and ``what`` it is."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return json.loads(storage_for(path).read_all(path))
     except OSError as exc:
         raise CheckpointError(
             f"{path}: cannot read the {what} ({exc.strerror})", file=path
@@ -324,8 +379,9 @@ def read_json(path: str, *, what: str) -> Any:
 
 
 def _read_config(root: str) -> Mapping[str, Any] | None:
-    path = os.path.join(root, CONFIG_NAME)
-    if not os.path.isfile(path):
+    storage = storage_for(root)
+    path = storage.join(root, CONFIG_NAME)
+    if not storage.is_file(path):
         return None
     config = read_json(path, what="model config")
     if not isinstance(config, dict):

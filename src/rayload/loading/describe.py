@@ -10,6 +10,7 @@ from typing import Any
 from rayload.loading.checkpoint import Checkpoint, TensorInfo
 from rayload.loading.plan import ShardPlan
 from rayload.loading.rules import unused_rule_message
+from rayload.loading.storage import storage_for
 
 _UNMATCHED_SHOWN = 10
 
@@ -38,7 +39,7 @@ def describe_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
         "architecture": ckpt.architecture,
         "tp_size": ckpt.tp_size,
         "files": [
-            {"path": f, "bytes": os.path.getsize(f), "tensors": counts[f]} for f in ckpt.files
+            {"path": f, "bytes": storage_for(f).size(f), "tensors": counts[f]} for f in ckpt.files
         ],
         "tensors": [_tensor(t, rank) for rank, t in entries],
         "tensor_count": len(entries),

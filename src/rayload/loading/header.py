@@ -19,6 +19,7 @@ from typing import Any
 
 from rayload.errors import CheckpointError
 from rayload.loading.dtypes import itemsize
+from rayload.loading.storage import is_remote, storage_for
 
 MAX_HEADER_BYTES = 100_000_000
 """Larger headers are refused, as the safetensors library does."""
@@ -58,7 +59,14 @@ class FileHeader:
 
 
 def read_header(path: str) -> FileHeader:
-    """Read and validate the header of the safetensors file at ``path`` (absolute)."""
+    """Read and validate the header of the safetensors file at ``path`` (absolute, or an
+    ``s3://`` URL: two ranged GETs, the 8-byte length then the header)."""
+    if is_remote(path):
+        storage = storage_for(path)
+        size = storage.size(path)
+        prefix = storage.read(path, 0, 8)
+        length = _header_length(path, prefix, size)
+        return _parse(path, storage.read(path, 8, length), size)
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
@@ -68,32 +76,37 @@ def read_header(path: str) -> FileHeader:
         ) from exc
     try:
         size = os.fstat(fd).st_size
-        prefix = os.pread(fd, 8, 0)
-        if len(prefix) < 8:
-            raise CheckpointError(
-                f"{path}: file is {size} bytes, too short to hold the 8-byte safetensors "
-                f"header length; it is truncated or not a safetensors file: {_REDO}",
-                file=path,
-            )
-        length = int.from_bytes(prefix, "little")
-        if length > MAX_HEADER_BYTES:
-            raise CheckpointError(
-                f"{path}: header length is {length} bytes, over the {MAX_HEADER_BYTES}-byte "
-                f"limit; the file is corrupt or not a safetensors file: {_REDO}",
-                file=path,
-            )
-        if 8 + length > size:
-            raise CheckpointError(
-                f"{path}: header length is {length} bytes but the file is only {size} "
-                f"bytes; the file is truncated: {_REDO}",
-                file=path,
-            )
+        length = _header_length(path, os.pread(fd, 8, 0), size)
         raw = os.pread(fd, length, 8)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror})", file=path) from exc
     finally:
         os.close(fd)
     return _parse(path, raw, size)
+
+
+def _header_length(path: str, prefix: bytes, size: int) -> int:
+    """The header length the 8-byte ``prefix`` of a ``size``-byte file gives, checked."""
+    if len(prefix) < 8:
+        raise CheckpointError(
+            f"{path}: file is {size} bytes, too short to hold the 8-byte safetensors "
+            f"header length; it is truncated or not a safetensors file: {_REDO}",
+            file=path,
+        )
+    length = int.from_bytes(prefix, "little")
+    if length > MAX_HEADER_BYTES:
+        raise CheckpointError(
+            f"{path}: header length is {length} bytes, over the {MAX_HEADER_BYTES}-byte "
+            f"limit; the file is corrupt or not a safetensors file: {_REDO}",
+            file=path,
+        )
+    if 8 + length > size:
+        raise CheckpointError(
+            f"{path}: header length is {length} bytes but the file is only {size} "
+            f"bytes; the file is truncated: {_REDO}",
+            file=path,
+        )
+    return length
 
 
 def _parse(path: str, raw: bytes, size: int) -> FileHeader:

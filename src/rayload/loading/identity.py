@@ -30,6 +30,7 @@ import os
 from rayload.errors import CheckpointError
 from rayload.loading.checkpoint import Checkpoint
 from rayload.loading.plan import ShardPlan
+from rayload.loading.storage import is_remote, storage_for
 
 SAMPLES = 16
 SAMPLE_BYTES = 4096
@@ -57,7 +58,7 @@ def checkpoint_identity(checkpoint: Checkpoint) -> str:
         return _sha256({"layout": "converted", "tp_size": manifest.tp_size, "files": entries})
     files = {
         _relative(checkpoint.root, path): {
-            "size": os.path.getsize(path),
+            "size": storage_for(path).size(path),
             "sha256": _header_and_samples_sha256(path),
         }
         for path in checkpoint.files
@@ -101,6 +102,8 @@ def _sha256(value: object) -> str:
 
 
 def _relative(root: str, path: str) -> str:
+    if is_remote(path):
+        return path[len(root) :].lstrip("/")
     return os.path.relpath(path, root).replace(os.sep, "/")
 
 
@@ -109,6 +112,14 @@ def _header_and_samples_sha256(path: str) -> str:
     :data:`SAMPLES` blocks of its data, evenly spaced from the first byte after the header
     to the last."""
     digest = hashlib.sha256()
+    if is_remote(path):  # the same bytes, by ranged GETs
+        storage = storage_for(path)
+        prefix = storage.read(path, 0, 8)
+        header = storage.read(path, 8, int.from_bytes(prefix, "little"))
+        digest.update(prefix + header)
+        for offset in _sample_offsets(8 + len(header), storage.size(path)):
+            digest.update(storage.read(path, offset, SAMPLE_BYTES))
+        return digest.hexdigest()
     try:
         with open(path, "rb", buffering=0) as file:  # unbuffered: no read-ahead
             prefix = file.read(8)

@@ -44,6 +44,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rayload.errors import CheckpointError
+from rayload.loading.storage import storage_for
 from rayload.rules_file import RuleSpec, describe_validation_error
 
 MANIFEST_NAME = "rayload-manifest.json"
@@ -131,8 +132,7 @@ class Manifest(BaseModel):
 def read_manifest(path: str) -> Manifest:
     """Read and validate the manifest at ``path``; any problem is a CheckpointError."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(storage_for(path).read_all(path))
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror})", file=path) from exc
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:

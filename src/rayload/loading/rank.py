@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,6 +30,7 @@ from rayload.loading.reader import ReaderOptions
 from rayload.loading.report import PLAN, POST_LOAD, RESOLVE, PhaseTimer, RankReport
 from rayload.loading.resolve import LayoutInfo, Resolution, log_fallback, resolve_method
 from rayload.loading.rules import RulesArg
+from rayload.loading.storage import StorageCounters, storage_for
 from rayload.options import check_model_role, check_rank, check_tp_size, parse_method
 
 PostLoad = Callable[[dict[str, torch.Tensor]], object]
@@ -80,7 +83,7 @@ def load_rank(
     """
     timer = timer if timer is not None else PhaseTimer()
     start_ns = timer.clock()
-    plan, resolution, result = _run(
+    plan, resolution, result, used = _run(
         path,
         rank,
         tp_size,
@@ -102,7 +105,7 @@ def load_rank(
             post_load(tensors)
             if torch.device(resolution.device).type == "cuda":
                 torch.cuda.synchronize(resolution.device)
-    return tensors, _report(plan, resolution, result, start_ns, timer, model_role)
+    return tensors, _report(plan, resolution, result, start_ns, timer, model_role, used)
 
 
 def reload_rank(
@@ -142,7 +145,7 @@ def reload_rank(
     """
     timer = timer if timer is not None else PhaseTimer()
     start_ns = timer.clock()
-    plan, resolution, result = _run(
+    plan, resolution, result, used = _run(
         path,
         rank,
         tp_size,
@@ -161,7 +164,7 @@ def reload_rank(
     )
     with timer.phase(POST_LOAD, device=resolution.device):
         pass
-    return _report(plan, resolution, result, start_ns, timer, model_role)
+    return _report(plan, resolution, result, start_ns, timer, model_role, used)
 
 
 def same_plan_problem(loaded: ShardPlan, new: ShardPlan) -> tuple[str, str] | None:
@@ -211,12 +214,16 @@ def _run(
     into: Mapping[str, torch.Tensor] | None = None,
     written: set[str] | None = None,
     peer: PeerSource | None = None,
-) -> tuple[RankPlan, Resolution, BackendResult]:
+) -> tuple[RankPlan, Resolution, BackendResult, StorageUse]:
     """``rank.resolve``, ``rank.plan`` and the backend's phases (into ``into`` when
-    given), with the fallback checks; what load_rank and reload_rank share."""
+    given), with the fallback checks; what load_rank and reload_rank share. The
+    storage's requests are counted from before the headers are read to the end of the
+    backend's phases."""
     check_tp_size(tp_size)
     check_rank(rank, tp_size)
     check_model_role(model_role)
+    storage = storage_for(os.fspath(path))
+    before = storage.counters()
     with timer.phase(RESOLVE, tp_size=tp_size, model_role=model_role) as attrs:
         checkpoint = open_checkpoint(path)
         requested = parse_method(method)
@@ -258,7 +265,8 @@ def _run(
         peer=peer,
         storage=resolution.storage,
     )
-    result = backend.load(plan, resolution.device, timer, into=into, written=written)
+    with timer.tagged(**storage.attributes()):
+        result = backend.load(plan, resolution.device, timer, into=into, written=written)
     if result.fallback_reason is not None:
         log_fallback(rank, resolution.selected, result.effective, result.fallback_reason)
         if strict:
@@ -266,7 +274,7 @@ def _run(
                 f"rank {rank}: {resolution.selected.value} ran as {result.effective.value}: "
                 f"{result.fallback_reason} (strict mode forbids falling back)"
             )
-    return plan, resolution, result
+    return plan, resolution, result, StorageUse(storage.attributes(), storage.counters() - before)
 
 
 def _report(
@@ -276,6 +284,7 @@ def _report(
     start_ns: int,
     timer: PhaseTimer,
     model_role: str,
+    used: StorageUse,
 ) -> RankReport:
     reasons = [r for r in (resolution.fallback_reason, result.fallback_reason) if r]
     return RankReport(
@@ -297,7 +306,20 @@ def _report(
         files=plan.files,
         phases=tuple(timer.records),
         model_role=model_role,
+        storage=used.attributes["rayload.storage"],
+        storage_endpoint=used.attributes.get("rayload.storage.endpoint"),
+        storage_bucket=used.attributes.get("rayload.storage.bucket"),
+        requests=used.counters.requests,
+        retries=used.counters.retries,
     )
+
+
+@dataclass(frozen=True)
+class StorageUse:
+    """The storage a rank read from (its span attributes) and what it did there."""
+
+    attributes: dict[str, Any]
+    counters: StorageCounters
 
 
 def _verify_rank_files(checkpoint: Checkpoint, rank: int) -> int:

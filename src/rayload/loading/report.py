@@ -111,6 +111,15 @@ class RankReport:
     bytes_from_peers: int = 0
     source: str = STORAGE_SOURCE
     replica: int = 0
+    storage: str = "file"
+    """Where the checkpoint is: ``file`` or ``s3`` (apart from the method)."""
+    storage_endpoint: str | None = None
+    """The object store's host (None for files)."""
+    storage_bucket: str | None = None
+    requests: int = 0
+    """Requests made to object storage (headers, listings and ranges), retries included."""
+    retries: int = 0
+    """Of those, the retried ones (throttling, 5xx, connection errors, bodies cut short)."""
 
     @property
     def label(self) -> str:
@@ -144,6 +153,11 @@ class RankReport:
             "bytes_from_storage": self.bytes_from_storage,
             "bytes_from_peers": self.bytes_from_peers,
             "source": self.source,
+            "storage": self.storage,
+            "storage_endpoint": self.storage_endpoint,
+            "storage_bucket": self.storage_bucket,
+            "requests": self.requests,
+            "retries": self.retries,
             "tensors": self.tensors,
             "seconds": round(self.seconds, 6),
         }

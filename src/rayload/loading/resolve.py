@@ -19,6 +19,7 @@ from rayload.loading.manifest import MANIFEST_NAME
 from rayload.loading.methods import LoadMethod
 from rayload.loading.plan_converted import check_converted_tp
 from rayload.loading.probe import EnvProbe
+from rayload.loading.storage import is_remote
 from rayload.options import parse_method
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,10 @@ def _choose_auto(
 ) -> tuple[LoadMethod, str]:
     if layout_info.layout == "converted":
         return LoadMethod.CONVERTED, f"checkpoint was converted for tp_size={tp_size}"
+    if is_remote(layout_info.root):
+        return LoadMethod.SCRATCH, (
+            "checkpoint is in object storage: rayload's reader, as concurrent ranged GETs"
+        )
     if device == "cpu":
         return LoadMethod.SCRATCH, "device is cpu: rayload's shard-exact reader"
     if probe.gds_available and probe.fastsafetensors_installed:
@@ -221,6 +226,14 @@ def _fallback(
             f"{layout_info.root} OUT --tp {tp_size}` and load OUT"
         )
     uses_fst = method in (LoadMethod.FASTSAFETENSORS, LoadMethod.FASTSAFETENSORS_GDR)
+    if uses_fst and is_remote(layout_info.root):
+        storage_method = (
+            LoadMethod.CONVERTED if layout_info.layout == "converted" else LoadMethod.SCRATCH
+        )
+        return storage_method, (
+            f"{method.value} reads local files only and the checkpoint is in object storage "
+            f"({layout_info.root}): {storage_method.value} reads it with ranged GETs"
+        )
     if uses_fst and not probe.fastsafetensors_installed:
         detail = f" ({probe.fastsafetensors_error})" if probe.fastsafetensors_error else ""
         return LoadMethod.SCRATCH, (

@@ -169,6 +169,11 @@ def report_attributes(report: RankReport) -> dict[str, Any]:
         "bytes_from_storage": report.bytes_from_storage,
         "bytes_from_peers": report.bytes_from_peers,
         "source": report.source,
+        "storage": report.storage,
+        "storage.endpoint": report.storage_endpoint,
+        "storage.bucket": report.storage_bucket,
+        "requests": report.requests,
+        "retries": report.retries,
         "tensors": report.tensors,
         "model_role": report.model_role,
     }

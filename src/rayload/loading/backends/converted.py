@@ -30,6 +30,7 @@ from rayload.loading.plan_converted import check_converted_tp
 from rayload.loading.reader.readplan import Read, Segment, shard_segments
 from rayload.loading.reader.reads import read_segments, shard_tensors
 from rayload.loading.report import READ, TO_DEVICE, PhaseTimer
+from rayload.loading.storage import storage_for
 
 
 @register(LoadMethod.CONVERTED)
@@ -100,7 +101,7 @@ class ConvertedBackend(ReaderBackend):
                     file=file,
                 )
             entry = manifest.files[name]
-            size = os.path.getsize(file)
+            size = storage_for(file).size(file)
             if size != entry.size:
                 raise CheckpointError(
                     f"{file}: {size} bytes but {manifest_path} says {entry.size}; the file "

@@ -1,5 +1,6 @@
-"""rayload's own file reader: parallel positional reads of exact byte ranges into
-preallocated destinations, with bounded memory.
+"""rayload's own reader: parallel reads of exact byte ranges into preallocated
+destinations, with bounded memory; positional reads of local files, or ranged GETs of
+objects in object storage (the storage's ``read_into``), for the same read plan.
 
 What is read into where is planned by :mod:`~rayload.loading.reader.readplan`; where
 the bytes land (host buffers, or pinned staging + host-to-device copies) is a sink of
@@ -17,7 +18,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -31,6 +32,7 @@ from rayload.loading.plan import TensorShard
 from rayload.loading.reader.options import ReaderOptions, ReadSettings
 from rayload.loading.reader.readplan import Batch, Read, Segment, batch_reads, plan_reads
 from rayload.loading.reader.sinks import HostSink, Sink, StagedDeviceSink, Views, host_view
+from rayload.loading.storage import Storage, is_remote, storage_for
 
 ReadHook = Callable[["Read", list[memoryview]], None]
 """Called with each read and the buffers it filled, on the reader thread, right after the
@@ -52,7 +54,7 @@ def run_reads(
     total = 0
     files = (r.file for b in batches for r in b.reads)
     pool = ThreadPoolExecutor(settings.threads, thread_name_prefix="rayload-read")
-    with _open_files(files) as fds:
+    with _open_ranges(files) as fds:
         inflight: deque[tuple[Batch, Views, Future[int]]] = deque()
         try:
             for batch in batches:
@@ -80,7 +82,9 @@ def _finish(item: tuple[Batch, Views, Future[int]], sink: Sink) -> int:
     return n
 
 
-def _pread_batch(fds: dict[str, int], batch: Batch, views: Views, on_read: ReadHook | None) -> int:
+def _pread_batch(
+    fds: Mapping[str, RangeSource], batch: Batch, views: Views, on_read: ReadHook | None
+) -> int:
     total = 0
     for read, read_views in zip(batch.reads, views, strict=True):
         total += _pread_all(fds[read.file], read, read_views)
@@ -89,14 +93,20 @@ def _pread_batch(fds: dict[str, int], batch: Batch, views: Views, on_read: ReadH
     return total
 
 
-def _pread_all(fd: int, read: Read, views: list[memoryview]) -> int:
-    """Perform ``read`` into ``views``: one ``os.preadv``; when strided, one per row, or
-    (rows closer than a page apart) one per run of rows through a bounce buffer."""
+def _pread_all(fd: RangeSource, read: Read, views: list[memoryview]) -> int:
+    """Perform ``read`` into ``views``: one ``os.preadv`` (or ranged GET); when strided, one
+    per row, or (rows closer than the storage's ``gather_gap``, a page for files) one per
+    run of rows through a bounce buffer."""
     if not read.row:
         return _pread_exact(fd, read, read.offset, views, read.length)
     [view] = views
     row, stride = read.row, read.stride
-    per_span = _GATHER_BYTES // stride if stride - row < GATHER_GAP else 0
+    gap, span_bytes = (
+        (GATHER_GAP, _GATHER_BYTES)
+        if isinstance(fd, int)
+        else (fd.gather_gap, min(fd.gather_bytes, _GATHER_BYTES))
+    )
+    per_span = span_bytes // stride if stride - row < gap else 0
     if per_span < 2:
         for i, pos in enumerate(range(0, read.length, row)):
             _pread_exact(fd, read, read.offset + i * stride, [view[pos : pos + row]], row)
@@ -131,9 +141,13 @@ def _bounce_buffer() -> np.ndarray:
     return buffer
 
 
-def _pread_exact(fd: int, read: Read, offset: int, views: list[memoryview], size: int) -> int:
+def _pread_exact(
+    fd: RangeSource, read: Read, offset: int, views: list[memoryview], size: int
+) -> int:
     """Fill ``views`` (``size`` bytes) from ``offset``; short reads are retried, end of
-    file is a CheckpointError."""
+    file is a CheckpointError. An object storage fills them itself, exactly or raising."""
+    if not isinstance(fd, int):
+        return fd.read_into(read.file, offset, views, size)
     n = os.preadv(fd, views, offset)
     if n == size:
         return n
@@ -181,11 +195,18 @@ def unreadable_error(path: str, exc: OSError) -> CheckpointError:
     )
 
 
+RangeSource = int | Storage
+"""How a file is read: a local file's descriptor, or the object storage holding it."""
+
+
 @contextmanager
-def _open_files(paths: Iterable[str]) -> Iterator[dict[str, int]]:
-    fds: dict[str, int] = {}
+def _open_ranges(paths: Iterable[str]) -> Iterator[dict[str, RangeSource]]:
+    fds: dict[str, RangeSource] = {}
     try:
         for path in dict.fromkeys(paths):
+            if is_remote(path):
+                fds[path] = storage_for(path)
+                continue
             try:
                 fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except OSError as exc:
@@ -193,7 +214,8 @@ def _open_files(paths: Iterable[str]) -> Iterator[dict[str, int]]:
         yield fds
     finally:
         for fd in fds.values():
-            os.close(fd)
+            if isinstance(fd, int):
+                os.close(fd)
 
 
 def read_segments(
@@ -212,7 +234,8 @@ def read_segments(
     ``touched`` collects the indices of the destinations the reader began writing.
     Returns the buffers, the sink (call ``finish()`` before using device buffers) and the
     bytes read."""
-    settings = options.for_device(device)
+    remote = bool(segments) and is_remote(segments[0].file)
+    settings = options.for_device(device, remote=remote)
     for i, target in enumerate(targets):
         if target.dtype != torch.uint8 or target.dim() != 1 or target.numel() != sizes[i]:
             raise ValueError(

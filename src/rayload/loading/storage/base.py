@@ -1,0 +1,93 @@
+"""The storage contract: what the checkpoint reader and the read engine ask of a storage.
+
+Paths are strings throughout (``/abs/dir/model.safetensors``, or
+``s3://bucket/prefix/model.safetensors``) so that plans, headers and reports stay plain
+data whatever the storage.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+StorageKind = Literal["file", "s3"]
+
+S3_SCHEME = "s3://"
+
+
+def is_remote(path: str) -> bool:
+    """Whether ``path`` names object storage (``s3://...``)."""
+    return path.startswith(S3_SCHEME)
+
+
+@dataclass(frozen=True)
+class StorageCounters:
+    """Requests a storage made, the retries among them and the bytes it received; a
+    rank reports the difference between two snapshots."""
+
+    requests: int = 0
+    retries: int = 0
+    bytes: int = 0
+
+    def __sub__(self, other: StorageCounters) -> StorageCounters:
+        return StorageCounters(
+            self.requests - other.requests, self.retries - other.retries, self.bytes - other.bytes
+        )
+
+
+class Storage(ABC):
+    """One kind of storage.
+
+    Invariants: :meth:`read_into` fills exactly the bytes asked for or raises (never a
+    short tensor); a storage that can tell object versions apart reads every byte of a
+    file from the version its header was read at, or raises naming the file.
+    """
+
+    kind: ClassVar[StorageKind]
+    gather_gap: ClassVar[int]
+    """Strided rows (a split-1 shard) less than this many bytes apart are read as one
+    run, gaps included, then gathered; farther apart, one read per row."""
+    gather_bytes: ClassVar[int]
+    """The longest such run."""
+
+    @abstractmethod
+    def join(self, root: str, name: str) -> str:
+        """The path of file ``name`` inside directory ``root``."""
+
+    @abstractmethod
+    def is_dir(self, path: str) -> bool:
+        """Whether ``path`` is a directory (an object prefix holding objects)."""
+
+    @abstractmethod
+    def is_file(self, path: str) -> bool:
+        """Whether ``path`` is a file (an object)."""
+
+    @abstractmethod
+    def listdir(self, root: str) -> list[str]:
+        """The names of the files directly inside ``root``, sorted."""
+
+    @abstractmethod
+    def size(self, path: str) -> int:
+        """The size of file ``path`` in bytes."""
+
+    @abstractmethod
+    def read(self, path: str, offset: int, length: int) -> bytes:
+        """Up to ``length`` bytes of ``path`` from ``offset`` (fewer only at its end)."""
+
+    @abstractmethod
+    def read_into(self, path: str, offset: int, views: list[memoryview], size: int) -> int:
+        """Fill ``views`` (``size`` bytes together, in order) from ``offset`` of ``path``;
+        returns ``size`` or raises (a CheckpointError naming the file)."""
+
+    @abstractmethod
+    def read_all(self, path: str) -> bytes:
+        """The whole file ``path`` (small files: JSON documents)."""
+
+    @abstractmethod
+    def counters(self) -> StorageCounters:
+        """What this storage did so far in this process."""
+
+    @abstractmethod
+    def attributes(self) -> dict[str, Any]:
+        """Span attributes describing it (``rayload.storage`` ...); never a credential."""

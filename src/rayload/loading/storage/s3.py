@@ -1,0 +1,406 @@
+"""Object storage over the S3 protocol (AWS S3 and S3-compatible stores), through boto3.
+
+Configuration is the standard AWS chain, read by botocore in the process that reads
+(each rank on its own node): credentials from ``AWS_ACCESS_KEY_ID`` /
+``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` and the shared config
+and credentials files, or instance metadata; ``AWS_REGION``; the endpoint from
+``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` (or the profile's ``endpoint_url``). A
+custom endpoint is addressed path-style unless the profile's ``s3.addressing_style``
+says otherwise. With no credentials anywhere, requests go unsigned (public buckets).
+
+Reads:
+
+* one version: the first request that sees a key (a listing, a HEAD, a header read)
+  pins its ETag, and every later GET of it in this process carries ``If-Match``; an
+  object that changed is a :class:`~rayload.errors.StorageError` naming the key, never
+  bytes of two versions; a new :func:`open_checkpoint` (a reload) pins afresh.
+* throttling (503 SlowDown), other 5xx and connection errors before the body are
+  retried by botocore (standard mode: exponential backoff with jitter); a body cut
+  short (reset, short read, time-out) is resumed from the first missing byte, with
+  backoff and jitter, at most :data:`BODY_RETRIES` times. Both are counted.
+* a server that ignores ``Range`` and answers 200 with the whole object is refused
+  before its body is read (nothing buffered).
+
+Never in a message, attribute or pickle: a credential. Only where it came from
+(``env``, ``shared-credentials-file``, ``iam-role``...) is named.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from typing import Any, ClassVar
+from urllib.parse import urlsplit
+
+from rayload.errors import ConfigError, StorageError
+from rayload.loading.storage.base import S3_SCHEME, Storage, StorageCounters, StorageKind
+
+BODY_RETRIES = 5
+"""Resumptions of one ranged GET whose body was cut short."""
+_MAX_POOL = 64
+_CONNECT_TIMEOUT_S = 3.0
+_READ_TIMEOUT_S = 30.0
+_API_ATTEMPTS = 6
+"""botocore's attempts per request (standard retry mode: backoff with jitter, at most
+20 s between attempts)."""
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/key`` -> ``(bucket, key)`` (the key may be empty); ConfigError for
+    anything else."""
+    if not url.startswith(S3_SCHEME):
+        raise ConfigError(f"{url}: not an s3:// URL")
+    bucket, _, key = url[len(S3_SCHEME) :].partition("/")
+    if not bucket:
+        raise ConfigError(f"{url}: no bucket; write s3://BUCKET/PREFIX")
+    return bucket, key.strip("/")
+
+
+class S3Storage(Storage):
+    """The objects of one bucket. Thread-safe; one boto3 client (created on first use,
+    never pickled) shared by the reader threads."""
+
+    kind: ClassVar[StorageKind] = "s3"
+    gather_gap: ClassVar[int] = 64 << 10
+    """A request costs about as much as this many bytes: closer rows are fetched as one
+    run (the gaps are other ranks' bytes, which the server then serves twice)."""
+    gather_bytes: ClassVar[int] = 1 << 20
+
+    def __init__(self, bucket: str) -> None:
+        self.bucket = bucket
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._endpoint = ""
+        self._credential_source = ""
+        self._pinned: dict[str, tuple[int, str]] = {}  # key -> (size, ETag)
+        self._listed: set[str] = set()  # prefixes listed (a key absent from them is absent)
+        self._requests = self._retries = self._bytes = 0
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (S3Storage, (self.bucket,))
+
+    # -- the contract -------------------------------------------------------------------
+
+    def join(self, root: str, name: str) -> str:
+        return f"{root.rstrip('/')}/{name}"
+
+    def is_dir(self, path: str) -> bool:
+        return bool(self.listdir(path))
+
+    def is_file(self, path: str) -> bool:
+        key = self._key(path)
+        if key in self._pinned:
+            return True
+        if key.rpartition("/")[0] in self._listed:
+            return False
+        try:
+            self.size(path)
+        except StorageError as exc:
+            if exc.missing:
+                return False
+            raise
+        return True
+
+    def listdir(self, root: str) -> list[str]:
+        prefix = self._key(root)
+        client = self._get_client()
+        names: list[str] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Delimiter": "/"}
+            if prefix:
+                kwargs["Prefix"] = prefix + "/"
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self._call(root, client.list_objects_v2, **kwargs)
+            for item in page.get("Contents", ()):
+                key = item["Key"]
+                self._pin(key, int(item["Size"]), item["ETag"])
+                names.append(key.rpartition("/")[2])
+            if not page.get("IsTruncated"):
+                break
+            token = page["NextContinuationToken"]
+        with self._lock:
+            self._listed.add(prefix)
+        return sorted(n for n in names if n)
+
+    def size(self, path: str) -> int:
+        key = self._key(path)
+        pinned = self._pinned.get(key)
+        if pinned is None:
+            client = self._get_client()
+            head = self._call(path, client.head_object, Bucket=self.bucket, Key=key)
+            self._pin(key, int(head["ContentLength"]), head["ETag"])
+            pinned = self._pinned[key]
+        return pinned[0]
+
+    def read(self, path: str, offset: int, length: int) -> bytes:
+        size = self.size(path)
+        length = max(0, min(length, size - offset))
+        if length == 0:
+            return b""
+        buffer = bytearray(length)
+        self.read_into(path, offset, [memoryview(buffer)], length)
+        return bytes(buffer)
+
+    def read_all(self, path: str) -> bytes:
+        return self.read(path, 0, self.size(path))
+
+    def counters(self) -> StorageCounters:
+        with self._lock:
+            return StorageCounters(self._requests, self._retries, self._bytes)
+
+    def attributes(self) -> dict[str, Any]:
+        self._get_client()
+        return {
+            "rayload.storage": "s3",
+            "rayload.storage.endpoint": urlsplit(self._endpoint).hostname or self._endpoint,
+            "rayload.storage.bucket": self.bucket,
+        }
+
+    # -- ranged reads into given buffers --------------------------------------------------
+
+    def read_into(self, path: str, offset: int, views: list[memoryview], size: int) -> int:
+        """Fill ``views`` (``size`` bytes together) from ``offset`` of ``path`` with one
+        ranged GET, resumed where a body was cut short; returns ``size``."""
+        if size == 0:
+            return 0
+        key = self._key(path)
+        self.size(path)  # pins the version
+        _, etag = self._pinned[key]
+        client = self._get_client()
+        pending = list(views)
+        done = resumed = 0
+        end = offset + size  # exclusive
+        while True:
+            start = offset + done
+            response = self._call(
+                path,
+                client.get_object,
+                Bucket=self.bucket,
+                Key=key,
+                Range=f"bytes={start}-{end - 1}",
+                IfMatch=etag,
+            )
+            body = response["Body"]
+            try:
+                self._check_range(path, response, start, end)
+                got, problem = _fill(body, pending)
+            except BaseException:
+                body.close()
+                raise
+            with self._lock:
+                self._bytes += got
+            done += got
+            if done == size:
+                body.close()
+                return size
+            body.close()
+            resumed += 1
+            if resumed > BODY_RETRIES:
+                raise StorageError(
+                    f"{path}: bytes {start}-{end - 1} from {self._endpoint} came short "
+                    f"{resumed} times ({problem}); the connection or the server is failing: "
+                    "try again",
+                    url=path,
+                )
+            with self._lock:
+                self._retries += 1
+            time.sleep(random.uniform(0, min(2.0, 0.05 * 2**resumed)))
+
+    def _check_range(self, path: str, response: dict[str, Any], start: int, end: int) -> None:
+        status = response["ResponseMetadata"]["HTTPStatusCode"]
+        if status == 206 and str(response.get("ContentRange", "")).startswith(
+            f"bytes {start}-{end - 1}/"
+        ):
+            return
+        whole = response.get("ContentLength")
+        if status == 200 and start == 0 and whole == end:
+            return  # the range was the whole object
+        raise StorageError(
+            f"{path}: {self._endpoint} ignored the byte range {start}-{end - 1} (HTTP "
+            f"{status}, {whole} bytes, Content-Range {response.get('ContentRange')!r}); "
+            "refusing to download the whole object for each range: use a store that "
+            "supports ranged GETs",
+            url=path,
+        )
+
+    # -- the client, requests and their errors ---------------------------------------------
+
+    def _key(self, path: str) -> str:
+        bucket, key = split_url(path)
+        if bucket != self.bucket:
+            raise ConfigError(f"{path}: not in bucket {self.bucket!r}")
+        return key
+
+    def _pin(self, key: str, size: int, etag: str) -> None:
+        with self._lock:
+            self._pinned[key] = (size, etag)
+
+    def repin(self, root: str) -> None:
+        """Forget the versions and listings under ``root``: the next reads pin the objects
+        as they are now (a reload)."""
+        prefix = self._key(root)
+        with self._lock:
+            for key in [k for k in self._pinned if k == prefix or k.startswith(prefix + "/")]:
+                del self._pinned[key]
+            self._listed = {p for p in self._listed if not (p + "/").startswith(prefix + "/")}
+
+    def _get_client(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                self._client, self._endpoint, self._credential_source = _make_client()
+            return self._client
+
+    def _call(self, path: str, fn: Any, **kwargs: Any) -> Any:
+        import botocore.exceptions as bex
+
+        try:
+            response = fn(**kwargs)
+        except bex.ClientError as exc:
+            self._count(exc.response)
+            raise self._translate(path, exc.response) from None
+        except (bex.EndpointConnectionError, bex.ConnectTimeoutError) as exc:
+            self._count(None)
+            raise StorageError(
+                f"{path}: cannot reach the S3 endpoint {self._endpoint} ({type(exc).__name__}); "
+                "check AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 and the network",
+                url=path,
+            ) from None
+        except (bex.ReadTimeoutError, bex.ConnectionClosedError) as exc:
+            self._count(None)
+            raise StorageError(
+                f"{path}: {self._endpoint} stopped answering ({type(exc).__name__}) after "
+                f"{_API_ATTEMPTS} attempts; try again",
+                url=path,
+            ) from None
+        except bex.NoCredentialsError:
+            raise StorageError(f"{path}: no AWS credentials found", url=path) from None
+        self._count(response)
+        return response
+
+    def _count(self, response: dict[str, Any] | None) -> None:
+        retries = int(((response or {}).get("ResponseMetadata") or {}).get("RetryAttempts", 0))
+        with self._lock:
+            self._requests += 1 + retries
+            self._retries += retries
+
+    def _translate(self, path: str, response: dict[str, Any]) -> StorageError:
+        error = response.get("Error") or {}
+        code = str(error.get("Code", ""))
+        status = int((response.get("ResponseMetadata") or {}).get("HTTPStatusCode", 0))
+        key = self._key(path)
+        where = f"bucket {self.bucket!r}, key {key!r} at {self._endpoint}"
+        if code == "NoSuchBucket":
+            return StorageError(
+                f"{path}: no bucket {self.bucket!r} at {self._endpoint}; check the bucket "
+                "name, AWS_ENDPOINT_URL and AWS_REGION",
+                url=path,
+                missing=True,
+            )
+        if code in ("NoSuchKey", "404", "NotFound") or status == 404:
+            return StorageError(
+                f"{path}: no such object ({where}); check the path, or that the upload finished",
+                url=path,
+                missing=True,
+            )
+        if code in ("PreconditionFailed", "412") or status == 412:
+            etag = self._pinned.get(key, (0, "?"))[1]
+            return StorageError(
+                f"{path}: the object changed while it was being loaded (its ETag is no longer "
+                f"{etag}; {where}); refusing to mix two versions: load again once the upload "
+                "has finished",
+                url=path,
+            )
+        if status == 403 or code in (
+            "AccessDenied",
+            "InvalidAccessKeyId",
+            "SignatureDoesNotMatch",
+            "ExpiredToken",
+            "InvalidToken",
+        ):
+            return StorageError(
+                f"{path}: access denied ({code or status}; {where}) with credentials from "
+                f"{self._credential_source}; check that they are valid and allow s3:GetObject "
+                "and s3:ListBucket",
+                url=path,
+            )
+        if code == "InvalidRange":
+            return StorageError(
+                f"{path}: a byte range lies past the end of the object ({where}); it is "
+                "shorter than its header says: upload it again",
+                url=path,
+            )
+        return StorageError(
+            f"{path}: {code or 'HTTP ' + str(status)} from {self._endpoint} ({where}): "
+            f"{error.get('Message', '')}",
+            url=path,
+        )
+
+
+def _fill(body: Any, pending: list[memoryview]) -> tuple[int, str]:
+    """Read ``body`` into ``pending`` (consumed in place) until full or the body ends;
+    the bytes read and, when it ended early, why."""
+    import botocore.exceptions as bex
+    import urllib3.exceptions as uex
+
+    got = 0
+    try:
+        while pending:
+            n = body.readinto(pending[0])
+            if n == 0:
+                return got, "the body ended early"
+            got += n
+            if n == len(pending[0]):
+                pending.pop(0)
+            else:
+                pending[0] = pending[0][n:]
+    except (bex.BotoCoreError, uex.HTTPError, OSError) as exc:
+        return got, type(exc).__name__
+    return got, ""
+
+
+def _make_client() -> tuple[Any, str, str]:
+    """A boto3 S3 client from the standard AWS chain, its endpoint URL and where its
+    credentials came from (never the credentials)."""
+    try:
+        import boto3
+        import botocore.config
+        from botocore import UNSIGNED
+    except ImportError as exc:
+        raise ConfigError(
+            f"reading s3:// checkpoints needs boto3 ({exc}); pip install 'rayload[s3]'"
+        ) from None
+    session = boto3.session.Session()
+    scoped = session._session.get_scoped_config()
+    credentials = session.get_credentials()
+    if credentials is None:
+        source = "nowhere (no AWS credentials found: unsigned, anonymous requests)"
+    else:
+        source = str(credentials.method)
+        if profile := os.environ.get("AWS_PROFILE"):
+            source += f" (profile {profile!r})"
+    custom_endpoint = (
+        os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+        or (scoped.get("s3") or {}).get("endpoint_url")
+        or scoped.get("endpoint_url")
+    )
+    style = (scoped.get("s3") or {}).get("addressing_style") or (
+        "path" if custom_endpoint else "auto"
+    )
+    config = botocore.config.Config(
+        region_name=session.region_name or "us-east-1",
+        max_pool_connections=_MAX_POOL,
+        connect_timeout=_CONNECT_TIMEOUT_S,
+        read_timeout=_READ_TIMEOUT_S,
+        retries={"mode": "standard", "max_attempts": _API_ATTEMPTS},
+        s3={"addressing_style": style},
+        tcp_keepalive=True,
+        signature_version=UNSIGNED if credentials is None else None,
+        response_checksum_validation="when_required",
+    )
+    client = session.client("s3", config=config)
+    return client, str(client.meta.endpoint_url), source

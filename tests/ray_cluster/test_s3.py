@@ -1,0 +1,152 @@
+"""Loads from a real S3-protocol server on the package's Ray cluster (moto behind the
+counting proxy of tests/support/s3.py; the rank actors read the AWS environment they
+inherited as their node's, never from an argument).
+
+* a TP forward over shards fetched from ``s3://`` equals transformers' logits;
+* 4 replicas of TP=2: the server's own byte count is one replica's with peers, four
+  times it without (method ``scratch`` reads storage on every replica);
+* the secret access key (a canary) reaches no output, trace file, Ray log, nor Ray's
+  state API.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+from ray.util.state import list_actors, list_tasks
+
+import rayload
+from rayload.actors.messages import RankState
+from rayload.loading import write_checkpoint
+from rayload.loading.checkpoint import open_checkpoint
+from rayload.loading.methods import LoadMethod
+from rayload.models import build_model
+from support.s3 import CANARY, S3Server, s3_server
+from support.transformers_models import Reference
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def s3() -> S3Server:
+    return s3_server()
+
+
+def _forward(state: RankState, input_ids: torch.Tensor) -> dict[str, Any]:
+    with torch.no_grad():
+        return {"rank": state.rank, "logits": state.model(input_ids)}
+
+
+def test_tp_forward_over_shards_from_s3_equals_transformers(
+    s3: S3Server, reference: Callable[[str], Reference], no_leaks: Any
+) -> None:
+    ref = reference("llama_gqa")
+    url = s3.upload(ref.path, "ray-models", "llama-gqa")
+    with rayload.load(url, tp_size=2, device="cpu", model=build_model, timeout=180) as result:
+        assert [r.storage for r in result.ranks] == ["s3", "s3"]
+        assert all(r.method.effective is LoadMethod.SCRATCH for r in result.ranks)
+        outputs = result.apply(_forward, ref.input_ids)
+    for output in outputs:
+        diff = (output["logits"] - ref.logits).abs().max().item()
+        assert diff <= 1e-4, f"rank {output['rank']}: max |diff| {diff}"
+
+
+@pytest.fixture(scope="module")
+def medium_url(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, int]:
+    """A 16 MB checkpoint in S3 (its fixed reads, headers and identity samples, are small
+    beside it) and its size in bytes."""
+    path = write_checkpoint(tmp_path_factory.mktemp("s3-medium") / "ckpt", size_gb=0.016, seed=3)
+    url = s3.upload(path, "ray-models", "medium")
+    return url, open_checkpoint(path).total_bytes
+
+
+def _served(s3: S3Server, url: str, replicas: int, method: str) -> tuple[int, Any]:
+    """Bytes the server served for one load of ``replicas`` TP=2 replicas, and the load's
+    rank reports."""
+    s3.proxy.clear()
+    with rayload.load(url, 2, device="cpu", replicas=replicas, method=method, timeout=300) as r:
+        ranks = r.ranks
+    return s3.proxy.served_bytes(url.removeprefix("s3://") + "/"), ranks
+
+
+def test_four_replicas_are_served_one_replicas_bytes_with_peers_four_times_without(
+    s3: S3Server, medium_url: tuple[str, int], no_leaks: Any
+) -> None:
+    url, size = medium_url
+    one, _ = _served(s3, url, 1, "auto")
+    with_peers, ranks = _served(s3, url, 4, "auto")
+    without, _ = _served(s3, url, 4, "scratch")  # scratch ignores peers: every replica reads
+    receivers = [r for r in ranks if r.replica]
+    assert len(receivers) == 6
+    assert all(
+        r.method.effective is LoadMethod.PEER and r.bytes_from_storage == 0 for r in receivers
+    )
+    print(
+        f"served: one TP=2 replica {one / size:.3f}x the checkpoint; 4 replicas with peers "
+        f"{with_peers / one:.3f}x one replica, without {without / one:.3f}x"
+    )
+    assert with_peers <= 1.02 * one
+    assert 3.98 * one <= without <= 4.02 * one
+
+
+def _grep(root: Path, needle: str) -> list[str]:
+    found = []
+    for path in root.rglob("*"):
+        if path.is_file():
+            try:
+                if needle.encode() in path.read_bytes():
+                    found.append(str(path))
+            except OSError:
+                continue
+    return found
+
+
+def test_the_secret_key_reaches_no_output_trace_log_or_state_api(
+    s3: S3Server,
+    medium_url: tuple[str, int],
+    ray_cluster: Any,
+    no_leaks: Any,
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    url, _ = medium_url
+    with rayload.load(url, 2, device="cpu", trace_dir=tmp_path / "trace") as result:
+        assert result.ranks[0].storage == "s3"
+        details = [
+            *list_actors(address=ray_cluster.state_address, detail=True, limit=10_000),
+            *list_tasks(address=ray_cluster.state_address, detail=True, limit=10_000),
+        ]
+    out = capfd.readouterr()
+    assert CANARY not in out.out + out.err
+    assert sorted((tmp_path / "trace").iterdir()), "no trace written"
+    assert _grep(tmp_path / "trace", CANARY) == []
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    assert _grep(session / "logs", CANARY) == []
+    assert CANARY not in repr(details)
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ray.scripts.scripts",
+            "list",
+            "actors",
+            "--detail",
+            "--address",
+            ray_cluster.state_address,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert cli.returncode == 0 and "RankActor" in cli.stdout, cli.stderr[-2000:]
+    assert CANARY not in cli.stdout + cli.stderr

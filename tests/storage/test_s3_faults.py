@@ -1,0 +1,139 @@
+"""Faults and bad input against the real S3 server, injected by the test proxy
+(tests/support/s3.py): each is retried to a bit-identical load, or is one clear error
+naming the bucket, key and endpoint; a credential never appears."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rayload.cli import main
+from rayload.errors import StorageError
+from rayload.loading.rank import load_rank, reload_rank
+from support.cli import assert_one_line_error
+from support.s3 import ACCESS_KEY, CANARY, ENDPOINT, S3Server
+
+
+def _data_start(path: Path) -> int:
+    with path.open("rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
+@pytest.fixture
+def fresh(s3: S3Server, tiny_llama: Path, request: pytest.FixtureRequest) -> tuple[str, Path]:
+    """A copy of the tiny Llama of its own (a test may rewrite it) and its first file."""
+    url = s3.upload(tiny_llama, "models", f"faults/{request.node.name}")
+    return url, sorted(tiny_llama.glob("*.safetensors"))[0]
+
+
+def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
+@pytest.mark.parametrize("kind", ["slowdown", "reset", "short"])
+def test_throttling_and_cut_bodies_are_retried_to_a_bit_identical_load(
+    fresh: tuple[str, Path], tiny_llama: Path, proxy: Any, kind: str
+) -> None:
+    url, first = fresh
+    want, _ = load_rank(tiny_llama, 1, 2)
+    proxy.inject(kind, suffix=first.name, times=2, min_start=_data_start(first))
+    got, report = load_rank(url, 1, 2)
+    _assert_equal(got, want)
+    assert report.retries >= 2, report
+    faulted = [r for r in proxy.requests() if r.key.endswith(first.name) and r.status == 503]
+    assert len(faulted) == (2 if kind == "slowdown" else 0)
+
+
+def test_a_server_ignoring_range_is_refused_before_its_body_is_read(
+    fresh: tuple[str, Path], proxy: Any
+) -> None:
+    url, first = fresh
+    proxy.inject("ignore_range", suffix=first.name, times=100, min_start=_data_start(first))
+    with pytest.raises(StorageError, match="ignored the byte range") as info:
+        load_rank(url, 0, 2)
+    assert first.name in str(info.value) and "127.0.0.1" in str(info.value)
+
+
+def test_an_object_changed_after_its_header_was_read_is_an_error_naming_the_key(
+    fresh: tuple[str, Path], proxy: Any
+) -> None:
+    url, first = fresh
+    proxy.inject("rewrite", suffix=first.name, min_start=_data_start(first))
+    with pytest.raises(StorageError, match="changed while it was being loaded") as info:
+        load_rank(url, 0, 2)
+    assert f"{url}/{first.name}" in str(info.value)
+
+
+def test_reload_of_an_object_changed_mid_read_is_an_error_never_two_versions(
+    fresh: tuple[str, Path], proxy: Any
+) -> None:
+    url, first = fresh
+    tensors, _ = load_rank(url, 0, 2)
+    proxy.inject("rewrite", suffix=first.name, min_start=_data_start(first))
+    with pytest.raises(StorageError, match="changed while it was being loaded") as info:
+        reload_rank(url, 0, 2, tensors)
+    assert first.name in str(info.value)
+    # The next reload reads the new version, whole.
+    reload_rank(url, 0, 2, tensors)
+
+
+def _cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rayload.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, **env},
+    )
+
+
+def _main(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``rayload ARGS`` in this process (what its exit code and output would be)."""
+    code = main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out.out, out.err)
+
+
+def test_missing_bucket_key_and_prefix_exit_2_naming_them_and_the_endpoint(
+    fresh: tuple[str, Path], proxy: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, _ = fresh
+    result = _main(capsys, "inspect", "s3://no-such-bucket/llama")
+    assert_one_line_error(result, "no-such-bucket", "127.0.0.1")
+    result = _main(capsys, "plan", f"{url}/absent.safetensors", "--tp", "2")
+    assert_one_line_error(result, "'models'", "absent.safetensors", ENDPOINT)
+    result = _main(capsys, "inspect", f"{url}-nothing")
+    assert_one_line_error(result, f"{url}-nothing", "no objects")
+
+
+def test_access_denied_names_the_credential_source_never_the_secret(
+    fresh: tuple[str, Path], proxy: Any
+) -> None:
+    url, _ = fresh
+    proxy.inject("denied", times=100)
+    result = _cli("inspect", url)
+    assert_one_line_error(result, "access denied", "credentials from env", "'models'", "127.0.0.1")
+    for secret in (CANARY, ACCESS_KEY):
+        assert secret not in result.stderr + result.stdout
+
+
+def test_an_unreachable_endpoint_exits_2_within_the_timeout(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    start = time.monotonic()
+    result = _cli("inspect", "s3://models/index", AWS_ENDPOINT_URL=closed)
+    assert_one_line_error(result, "cannot reach the S3 endpoint", closed)
+    assert time.monotonic() - start < 60
