@@ -95,7 +95,9 @@ def _run(endpoint: str, args: argparse.Namespace) -> None:
 
     def obstore_all() -> None:
         ends = [min(size, s + chunk) for s in starts]
-        for s, e, data in zip(starts, ends, obstore.get_ranges(store, "blob", starts=starts, ends=ends), strict=True):
+        for s, e, data in zip(
+            starts, ends, obstore.get_ranges(store, "blob", starts=starts, ends=ends), strict=True
+        ):
             view[s:e] = memoryview(data)
 
     def boto3_read_one(start: int) -> None:
@@ -120,7 +122,9 @@ def _run(endpoint: str, args: argparse.Namespace) -> None:
             t0 = time.perf_counter()
             fn()
             dt = time.perf_counter() - t0
-            print(f"round {round_}  {name:28s} {size / dt / 1e6:8.1f} MB/s  ({dt:.2f} s)", flush=True)
+            print(
+                f"round {round_}  {name:28s} {size / dt / 1e6:8.1f} MB/s  ({dt:.2f} s)", flush=True
+            )
 
 
 if __name__ == "__main__":
