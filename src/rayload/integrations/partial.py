@@ -102,7 +102,7 @@ class PartialTensor(torch.Tensor):
         shape = list(self.shape)
         dim = dim % len(shape)
         start = int(start)
-        if not (0 <= start and length >= 0 and start + length <= shape[dim]):
+        if not (start >= 0 and length >= 0 and start + length <= shape[dim]):
             raise self._refusal(f"it asked for {start}..{start + length} of dimension {dim}")
         shape[dim] = length
         if dim != self._split:

@@ -36,10 +36,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from torch import nn
 from vllm.config import ModelConfig
 from vllm.config.load import LoadConfig
+from vllm.logger import init_logger
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
-from vllm.logger import init_logger
 
 from rayload.errors import CheckpointError, ConfigError
 from rayload.integrations.partial import partial_tensor
@@ -232,8 +232,9 @@ def _weights(
     dropped from ``tensors`` as it is handed over so its memory goes once vLLM copied it."""
     for name in list(tensors):
         shard, data = shards[name], tensors.pop(name)
-        yield name, partial_tensor(
-            name, shard.full_shape, shard.split, shard.pieces, data, rank=rank
+        yield (
+            name,
+            partial_tensor(name, shard.full_shape, shard.split, shard.pieces, data, rank=rank),
         )
 
 
