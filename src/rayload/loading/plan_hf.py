@@ -193,6 +193,13 @@ def _rank_pieces(
         ) from exc
 
 
+def tensor_shard(info: TensorInfo, split: int | None, pieces: tuple[Piece, ...]) -> TensorShard:
+    """A rank's shard of ``info`` made of its ``pieces`` (``(start, length)`` runs) of
+    dimension ``split`` (None: the whole tensor): how an engine with its own layout of a
+    tensor (vLLM's padded vocabulary) re-plans it."""
+    return _shard(info, split, pieces)
+
+
 def _shard(info: TensorInfo, split: int | None, pieces: tuple[Piece, ...]) -> TensorShard:
     """A rank's shard of ``info``: its ``pieces`` of dimension ``split`` (checked)."""
     itemsize = ITEMSIZE[info.dtype]

@@ -35,6 +35,9 @@ from rayload.options import check_model_role, check_rank, check_tp_size, parse_m
 
 PostLoad = Callable[[dict[str, torch.Tensor]], object]
 """Post-load work on the loaded tensors (e.g. weight processing); its result is ignored."""
+AdjustPlan = Callable[[RankPlan, Checkpoint], RankPlan]
+"""An engine's own layout applied to the rank's plan before any byte is read (e.g. vLLM's
+padded vocabulary shards); runs inside ``rank.plan``."""
 
 _MAY_USE_FASTSAFETENSORS = frozenset(
     {LoadMethod.AUTO, LoadMethod.PEER, LoadMethod.FASTSAFETENSORS, LoadMethod.FASTSAFETENSORS_GDR}
@@ -63,6 +66,7 @@ def load_rank(
     reader_options: ReaderOptions | None = None,
     expert_parallel: bool = False,
     peer: PeerSource | None = None,
+    adjust_plan: AdjustPlan | None = None,
 ) -> tuple[dict[str, torch.Tensor], RankReport]:
     """Load rank ``rank`` of ``tp_size`` of the checkpoint at ``path`` onto ``device``.
 
@@ -76,7 +80,8 @@ def load_rank(
     (:mod:`~rayload.loading.experts`). ``peer`` is a rank of another replica holding this
     rank's shards (same :func:`~rayload.loading.identity.peer_key`): ``auto`` and ``peer``
     then copy the shards from it, reading storage instead if it fails
-    (:mod:`~rayload.loading.backends.peer`); other methods ignore it.
+    (:mod:`~rayload.loading.backends.peer`); other methods ignore it. ``adjust_plan(plan,
+    checkpoint)`` returns the rank's plan as the engine lays it out (:data:`AdjustPlan`).
 
     Returns the tensors (this rank's shards by name) and the :class:`RankReport`, whose
     ``start_ns`` is taken before any config or header is parsed.
@@ -97,6 +102,7 @@ def load_rank(
         reader_options=reader_options,
         expert_parallel=expert_parallel,
         peer=peer,
+        adjust_plan=adjust_plan,
     )
     tensors = result.tensors
 
@@ -214,6 +220,7 @@ def _run(
     into: Mapping[str, torch.Tensor] | None = None,
     written: set[str] | None = None,
     peer: PeerSource | None = None,
+    adjust_plan: AdjustPlan | None = None,
 ) -> tuple[RankPlan, Resolution, BackendResult, StorageUse]:
     """``rank.resolve``, ``rank.plan`` and the backend's phases (into ``into`` when
     given), with the fallback checks; what load_rank and reload_rank share. The
@@ -256,6 +263,8 @@ def _run(
         plan = plan_shards(checkpoint, tp_size, rules=rules, expert_parallel=expert_parallel).ranks[
             rank
         ]
+        if adjust_plan is not None:
+            plan = adjust_plan(plan, checkpoint)
         attrs.update({"bytes": plan.nbytes, "tensors": len(plan.shards)})
 
     backend = BACKENDS[resolution.selected](

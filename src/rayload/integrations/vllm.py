@@ -1,0 +1,253 @@
+"""vLLM's ``load_format="rayload"``: each vLLM worker reads only its own shard.
+
+Registered in every vLLM process (engine and workers) by the ``vllm.general_plugins``
+entry point ``rayload = rayload.integrations.vllm:register`` (``pip install rayload[vllm]``),
+so ``LLM(..., load_format="rayload")`` and ``vllm serve ... --load-format rayload`` find it.
+This module is the only one of rayload that imports vLLM.
+
+In each worker :meth:`RayloadModelLoader.load_weights`:
+
+1. takes vLLM's TP rank and size (and, with ``enable_expert_parallel``, gives the rank its
+   experts whole, as vLLM's linear expert placement does);
+2. plans the checkpoint with rayload's planner (its sharding rules follow vLLM's
+   conventions: whole heads, KV heads replicated, fused components), re-planning each
+   vocabulary-parallel tensor to the rows vLLM's padded vocabulary gives the rank;
+3. reads only the rank's byte ranges with :func:`rayload.loading.rank.load_rank`;
+4. hands each tensor to vLLM's own ``model.load_weights`` as a
+   :class:`~rayload.integrations.partial.PartialTensor`: vLLM's weight loaders narrow it
+   to the rank's part and copy it into its partitioned parameters (stacked ``qkv_proj`` /
+   ``gate_up_proj``, padded vocabulary, tied embeddings, experts) exactly as they do for
+   the default loader, and any byte they want that rayload did not read is a
+   :class:`~rayload.errors.ShardingError` naming the tensor. There is no fallback to
+   vLLM's default loader.
+
+rayload's options travel in ``model_loader_extra_config`` (:class:`VllmLoadOptions`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
+from torch import nn
+from vllm.config import ModelConfig
+from vllm.config.load import LoadConfig
+from vllm.logger import init_logger
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.model_executor.model_loader import register_model_loader
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+from rayload.errors import CheckpointError, ConfigError
+from rayload.integrations.partial import partial_tensor
+from rayload.loading.checkpoint import Checkpoint
+from rayload.loading.plan import RankPlan, TensorShard
+from rayload.loading.plan_hf import tensor_shard
+from rayload.loading.rank import load_rank
+from rayload.loading.report import RankReport
+
+_vllm_log = init_logger("vllm.model_executor.model_loader.rayload")
+"""vLLM's logger: the load's summary line appears among vLLM's own, like its loaders'."""
+
+LOAD_FORMAT = "rayload"
+"""vLLM's name of this load format (``load_format="rayload"``)."""
+
+
+class VllmLoadOptions(BaseModel):
+    """rayload's options in vLLM's ``model_loader_extra_config`` (unknown keys refused).
+
+    ``method``: rayload's load method (``auto`` picks fastsafetensors or scratch for the
+    machine; ``strict`` makes any fallback an error). ``device``: where rayload puts the
+    shards before vLLM copies them into its parameters (default: vLLM's load device).
+    ``rules``: a sharding rules file for an architecture rayload has no preset for.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal[
+        "auto", "scratch", "converted", "fastsafetensors", "fastsafetensors_gdr", "dummy"
+    ] = "auto"
+    device: str | None = None
+    rules: str | None = None
+    strict: bool = False
+
+    @classmethod
+    def parse(cls, extra: object) -> VllmLoadOptions:
+        """The options from ``model_loader_extra_config`` (a dict; empty: the defaults);
+        one ConfigError naming the key and the allowed keys when it is wrong."""
+        if not isinstance(extra, Mapping):
+            raise ConfigError(
+                f"load_format={LOAD_FORMAT!r}: model_loader_extra_config must be a dict of "
+                f"rayload options ({', '.join(cls.model_fields)}), got {type(extra).__name__}"
+            )
+        try:
+            return cls.model_validate(dict(extra))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            key = ".".join(str(p) for p in first["loc"]) or "model_loader_extra_config"
+            raise ConfigError(
+                f"load_format={LOAD_FORMAT!r}: model_loader_extra_config[{key!r}]: "
+                f"{first['msg']} (rayload's options: {', '.join(cls.model_fields)})"
+            ) from None
+
+
+class RayloadModelLoader(BaseModelLoader):
+    """vLLM's model loader for ``load_format="rayload"`` (module docstring)."""
+
+    def __init__(self, load_config: LoadConfig):
+        super().__init__(load_config)
+        self.options = VllmLoadOptions.parse(load_config.model_loader_extra_config)
+        self.report: RankReport | None = None
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        _checkpoint_dir(model_config)
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        start = time.perf_counter()
+        rank, tp_size, expert_parallel = _parallel_layout()
+        path = _checkpoint_dir(model_config)
+        vocab = _vocab_rows(model)
+        device = self.options.device or _param_device(model)
+        planned: list[RankPlan] = []
+
+        def adjust(plan: RankPlan, checkpoint: Checkpoint) -> RankPlan:
+            planned.append(_vllm_vocab(plan, checkpoint, vocab))
+            return planned[-1]
+
+        tensors, report = load_rank(
+            path,
+            rank,
+            tp_size,
+            self.options.method,
+            device,
+            strict=self.options.strict,
+            rules=self.options.rules,
+            expert_parallel=expert_parallel,
+            adjust_plan=adjust,
+        )
+        self.report = report
+        shards = {s.name: s for s in planned[-1].shards}
+        loaded = model.load_weights(_weights(tensors, shards, rank))  # type: ignore[operator]
+        if model_config.quantization is None:
+            _check_all_loaded(model, loaded, rank, path)
+        _vllm_log.info(
+            "Loading weights took %.2f seconds (rayload, rank %d/%d: %d tensors, %d bytes, %s)",
+            time.perf_counter() - start,
+            rank,
+            tp_size,
+            report.tensors,
+            report.bytes_read,
+            report.method.effective.value,
+        )
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: registers ``load_format="rayload"``."""
+    from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
+
+    if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not RayloadModelLoader:
+        register_model_loader(LOAD_FORMAT)(RayloadModelLoader)
+
+
+def _parallel_layout() -> tuple[int, int, bool]:
+    """``(tp_rank, tp_size, expert_parallel)`` of this worker; ConfigError for a layout
+    rayload does not plan (pipeline, data or context parallel)."""
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    parallel = get_current_vllm_config().parallel_config
+    unsupported = {
+        "pipeline_parallel_size": parallel.pipeline_parallel_size,
+        "data_parallel_size": parallel.data_parallel_size,
+        "prefill_context_parallel_size": getattr(parallel, "prefill_context_parallel_size", 1),
+        "decode_context_parallel_size": getattr(parallel, "decode_context_parallel_size", 1),
+    }
+    for name, size in unsupported.items():
+        if size != 1:
+            raise ConfigError(
+                f"load_format={LOAD_FORMAT!r} plans tensor-parallel ranks only; {name}={size} "
+                f"is not supported (use another load format for it)"
+            )
+    expert_parallel = bool(parallel.enable_expert_parallel)
+    if expert_parallel and (parallel.enable_eplb or parallel.expert_placement_strategy != "linear"):
+        raise ConfigError(
+            f"load_format={LOAD_FORMAT!r} gives each rank a contiguous block of experts "
+            "(expert_placement_strategy='linear', no EPLB); got "
+            f"{parallel.expert_placement_strategy!r}, eplb={parallel.enable_eplb}"
+        )
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(), expert_parallel
+
+
+def _checkpoint_dir(model_config: ModelConfig) -> str:
+    path = str(model_config.model)
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            f"load_format={LOAD_FORMAT!r} reads a local checkpoint directory; {path!r} is "
+            "not one (download it first, e.g. `hf download`, and pass its path as the model)",
+            file=path,
+        )
+    return path
+
+
+def _param_device(model: nn.Module) -> str:
+    param = next(model.parameters(), None)
+    return "cpu" if param is None else str(param.device)
+
+
+def _vocab_rows(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Checkpoint name -> ``(start, length)`` of the vocabulary rows vLLM gives this rank,
+    for every vocabulary-parallel parameter (vLLM pads the vocabulary to a multiple of 64
+    and then cuts it evenly, so the last rank may hold fewer real rows)."""
+    rows: dict[str, tuple[int, int]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, VocabParallelEmbedding):
+            indices = module.shard_indices
+            start = indices.org_vocab_start_index
+            rows[f"{name}.weight"] = (start, indices.org_vocab_end_index - start)
+    return rows
+
+
+def _vllm_vocab(
+    plan: RankPlan, checkpoint: Checkpoint, rows: Mapping[str, tuple[int, int]]
+) -> RankPlan:
+    """The rank's plan with each vocabulary tensor split 0 as vLLM cuts it (``rows``)."""
+    shards = []
+    for shard in plan.shards:
+        piece = rows.get(shard.name)
+        if piece is not None and shard.split == 0 and shard.pieces != (piece,):
+            shard = tensor_shard(checkpoint.tensors[shard.name], 0, (piece,))
+        shards.append(shard)
+    return RankPlan(plan.rank, plan.tp_size, tuple(shards))
+
+
+def _weights(
+    tensors: dict[str, torch.Tensor], shards: Mapping[str, TensorShard], rank: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for vLLM's ``load_weights``, each of its full shape; a shard is
+    dropped from ``tensors`` as it is handed over so its memory goes once vLLM copied it."""
+    for name in list(tensors):
+        shard, data = shards[name], tensors.pop(name)
+        yield (
+            name,
+            partial_tensor(name, shard.full_shape, shard.split, shard.pieces, data, rank=rank),
+        )
+
+
+def _check_all_loaded(model: nn.Module, loaded: Any, rank: int, path: str) -> None:
+    """CheckpointError naming the first parameter vLLM's ``load_weights`` did not fill."""
+    if loaded is None:
+        return
+    missing = [name for name, _ in model.named_parameters() if name not in loaded]
+    if missing:
+        raise CheckpointError(
+            f"rank {rank}: {path}: no checkpoint tensor filled vLLM's parameter "
+            f"{missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
+            file=path,
+            tensor=missing[0],
+        )
