@@ -24,7 +24,8 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 RANK_KEYS = {
     "rank", "replica", "node_id", "device", "method", "bytes_read", "bytes_from_storage",
-    "bytes_from_peers", "source", "tensors", "seconds",
+    "bytes_from_peers", "source", "tensors", "seconds", "storage", "storage_endpoint",
+    "storage_bucket", "requests", "retries",
 }  # fmt: skip
 
 
@@ -52,6 +53,8 @@ def test_load_json_prints_one_object_with_contract_fields(
         assert rank["bytes_read"] > 0 and rank["tensors"] > 0
         assert rank["bytes_from_storage"] == rank["bytes_read"] and rank["bytes_from_peers"] == 0
         assert rank["source"] == "storage" and rank["replica"] == 0
+        assert rank["storage"] == "file" and rank["storage_endpoint"] is None
+        assert rank["storage_bucket"] is None and rank["retries"] == 0
     assert doc["startup_metrics"]["aggregate"]["placement_seconds"]["max"] >= 0
 
 

@@ -24,8 +24,9 @@ from ray.util.state import list_actors, list_tasks
 
 import rayload
 from rayload.actors.messages import RankState
-from rayload.loading import write_checkpoint
+from rayload.loading import plan_shards, write_checkpoint
 from rayload.loading.checkpoint import open_checkpoint
+from rayload.loading.identity import peer_key
 from rayload.loading.methods import LoadMethod
 from rayload.models import build_model
 from support.s3 import CANARY, S3Server, s3_server
@@ -78,10 +79,20 @@ def _served(s3: S3Server, url: str, replicas: int, method: str) -> tuple[int, An
     return s3.proxy.served_bytes(url.removeprefix("s3://") + "/"), ranks
 
 
+def _metadata_served(s3: S3Server, url: str) -> int:
+    """Bytes the driver's reads are served, once per load whatever the replicas: the
+    headers and config, and the identity samples of the peer key."""
+    s3.proxy.clear()
+    checkpoint = open_checkpoint(url)
+    peer_key(checkpoint, plan_shards(checkpoint, 2))
+    return s3.proxy.served_bytes(url.removeprefix("s3://") + "/")
+
+
 def test_four_replicas_are_served_one_replicas_bytes_with_peers_four_times_without(
     s3: S3Server, medium_url: tuple[str, int], no_leaks: Any
 ) -> None:
     url, size = medium_url
+    driver = _metadata_served(s3, url)
     one, _ = _served(s3, url, 1, "auto")
     with_peers, ranks = _served(s3, url, 4, "auto")
     without, _ = _served(s3, url, 4, "scratch")  # scratch ignores peers: every replica reads
@@ -90,12 +101,15 @@ def test_four_replicas_are_served_one_replicas_bytes_with_peers_four_times_witho
     assert all(
         r.method.effective is LoadMethod.PEER and r.bytes_from_storage == 0 for r in receivers
     )
+    ranks_one = one - driver  # what one replica's ranks fetched
     print(
-        f"served: one TP=2 replica {one / size:.3f}x the checkpoint; 4 replicas with peers "
-        f"{with_peers / one:.3f}x one replica, without {without / one:.3f}x"
+        f"served: one TP=2 replica {one / size:.3f}x the checkpoint (driver {driver} B); "
+        f"4 replicas with peers {with_peers / one:.3f}x one replica, without "
+        f"{(without - driver) / ranks_one:.3f}x its ranks' bytes"
     )
+    assert 0 < driver < 0.05 * size
     assert with_peers <= 1.02 * one
-    assert 3.98 * one <= without <= 4.02 * one
+    assert 3.98 * ranks_one <= without - driver <= 4.02 * ranks_one
 
 
 def _grep(root: Path, needle: str) -> list[str]:
