@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rayload import cluster
@@ -100,11 +100,7 @@ def load(
     :class:`~rayload.errors.RankFailedError` or :class:`~rayload.errors.RankTimeoutError`.
     """
     start_ns = time.time_ns()
-    if isinstance(rules, str | os.PathLike):  # a rules file is configuration
-        options["rules"], rules = rules, None
-    given = {"tp_size": tp_size, "method": method, "device": device}
-    options.update((k, v) for k, v in given.items() if v is not None)
-    config = LoadConfig.of(config, **options)
+    config, rules = _config(config, tp_size, method, device, rules, options)
     _check_model_factory(model)
     source = validate(config.path)
     checkpoint = open_checkpoint(source)
@@ -122,62 +118,110 @@ def load(
     sharing = PeerSharing(
         peer_key(checkpoint, plan), source, enabled=config.peers and not connection.started_ray
     )
-    placements: list[RankPlacement] = []
-    groups: list[RankActorGroup] = []
-    # Backstop for Ray calls that block while the head is gone (see rayload.cluster).
-    watch = cluster.HeadWatch(lambda error: outputs.write(trace.finish(error=str(error))))
-    watch.start()
-    try:
-        sharing.start()
-        watch.phase = "creating the placement group"
-        placement_seconds = _place_replicas(trace, config, deadline, into=placements)
-        notify(progress, LoadProgress("placed", config.tp_size))
-        watch.phase = "starting the ranks"
-        groups += _spawn_replicas(trace, config, placements, deadline)
-        notify(progress, LoadProgress("spawned", config.tp_size))
-        specs = [_process_group(trace, config, group, deadline) for group in groups]
-        watch.phase = "finding peers"
-        requests = _claim_replicas(trace, sharing, groups, base, specs, deadline=deadline)
-        watch.phase = "loading the ranks"
-        by_replica = load_ranks(
-            trace, groups, requests, deadline=deadline, timeout=config.timeout, progress=progress
-        )
-        ranks = [report for reports in by_replica for report in reports]
-        sharing.loaded([r.replica for r in requests])
-        watch.phase = "finishing the load"
-        warnings = _warn([*sharing.warnings, *mixed_method_warnings(ranks)])
-        metrics = _metrics(config, ranks, groups, placement_seconds)
-        files = outputs.write(trace.finish())
-        watch.stop()
-    except BaseException as exc:
-        watched_to_the_end = watch.stop()
-        if not cluster.head_lost():
-            sharing.drop()
-        release(groups, placements, connection.started_ray)
-        if watched_to_the_end:  # else the watch already wrote the failed trace
-            outputs.write(trace.finish(error=str(exc) or type(exc).__name__))
-        raise
+    run = _Run(config, trace, outputs, sharing, connection.started_ray, deadline, progress)
+    ranks, metrics, warnings, files = run.load(base)
     return LoadResult(
         trace_id=trace.trace_id,
         plan=plan,
         ranks=ranks,
         startup_metrics=metrics,
-        actors=[actor for group in groups for actor in group.actors],
+        actors=[actor for group in run.groups for actor in group.actors],
         warnings=warnings,
         trace_files=files,
-        placement=placements[0],
-        placements=placements,
+        placement=run.placements[0],
+        placements=run.placements,
         trace=trace,
-        process_group=None if specs[0] is None else specs[0].backend,
-        replica_ids=[r.replica for r in requests],
+        process_group=run.process_group,
+        replica_ids=[r.replica for r in run.requests],
         peer_key=sharing.key,
         config=config,
-        _groups=groups,
+        _groups=run.groups,
         _sharing=sharing,
         _started_ray=connection.started_ray,
         _outputs=outputs,
-        _requests=requests,
+        _requests=run.requests,
     )
+
+
+def _config(
+    config: LoadConfig | str | os.PathLike[str],
+    tp_size: int | None,
+    method: str | LoadMethod | None,
+    device: str | None,
+    rules: RulesArg,
+    options: dict[str, Any],
+) -> tuple[LoadConfig, RulesArg]:
+    """The load's :class:`LoadConfig` from ``load``'s arguments, and the parsed rule set
+    when ``rules`` is one (a rules file's path is configuration: the config's ``rules``)."""
+    if isinstance(rules, str | os.PathLike):
+        options["rules"], rules = rules, None
+    given = {"tp_size": tp_size, "method": method, "device": device}
+    options.update((k, v) for k, v in given.items() if v is not None)
+    return LoadConfig.of(config, **options), rules
+
+
+@dataclass
+class _Run:
+    """One load's Ray side, from the placement groups to the loaded ranks; what it made
+    (placements, rank groups, requests) stays here for the :class:`LoadResult`."""
+
+    config: LoadConfig
+    trace: StartupTrace
+    outputs: TraceOutputs
+    sharing: PeerSharing
+    started_ray: bool
+    deadline: float
+    progress: ProgressCallback | None
+    placements: list[RankPlacement] = field(default_factory=list)
+    groups: list[RankActorGroup] = field(default_factory=list)
+    requests: list[LoadRequest] = field(default_factory=list)
+    process_group: str | None = None
+
+    def load(
+        self, base: LoadRequest
+    ) -> tuple[list[RankReport], dict[str, Any], list[str], dict[str, str]]:
+        """Place, spawn, claim peers and load every replica: the rank reports, the startup
+        metrics, the warnings and the trace files. On any failure (a head lost included)
+        release everything made so far, write the failed trace and re-raise."""
+        config, trace, deadline, progress = self.config, self.trace, self.deadline, self.progress
+        # Backstop for Ray calls that block while the head is gone (see rayload.cluster).
+        watch = cluster.HeadWatch(lambda error: self.outputs.write(trace.finish(error=str(error))))
+        watch.start()
+        try:
+            self.sharing.start()
+            watch.phase = "creating the placement group"
+            placement_seconds = _place_replicas(trace, config, deadline, into=self.placements)
+            notify(progress, LoadProgress("placed", config.tp_size))
+            watch.phase = "starting the ranks"
+            self.groups += _spawn_replicas(trace, config, self.placements, deadline)
+            notify(progress, LoadProgress("spawned", config.tp_size))
+            specs = [_process_group(trace, config, group, deadline) for group in self.groups]
+            self.process_group = None if specs[0] is None else specs[0].backend
+            watch.phase = "finding peers"
+            self.requests = _claim_replicas(
+                trace, self.sharing, self.groups, base, specs, deadline=deadline
+            )
+            watch.phase = "loading the ranks"
+            by_replica = load_ranks(
+                trace, self.groups, self.requests, deadline=deadline, timeout=config.timeout,
+                progress=progress,
+            )  # fmt: skip
+            ranks = [report for reports in by_replica for report in reports]
+            self.sharing.loaded([r.replica for r in self.requests])
+            watch.phase = "finishing the load"
+            warnings = _warn([*self.sharing.warnings, *mixed_method_warnings(ranks)])
+            metrics = _metrics(config, ranks, self.groups, placement_seconds)
+            files = self.outputs.write(trace.finish())
+            watch.stop()
+        except BaseException as exc:
+            watched_to_the_end = watch.stop()
+            if not cluster.head_lost():
+                self.sharing.drop()
+            release(self.groups, self.placements, self.started_ray)
+            if watched_to_the_end:  # else the watch already wrote the failed trace
+                self.outputs.write(trace.finish(error=str(exc) or type(exc).__name__))
+            raise
+        return ranks, metrics, warnings, files
 
 
 def _read_rules(rules: RulesArg, architecture: str | None) -> RulesArg:
