@@ -137,3 +137,20 @@ def test_load_rank_takes_the_rank_fields_of_a_config(tiny_llama: Path) -> None:
     assert report.rank == 1 and report.method.effective.value == "scratch"
     assert tensors.keys() == expected.keys()
     assert all(tensors[name].equal(expected[name]) for name in expected)
+
+
+def test_a_config_files_relative_paths_are_relative_to_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "conf").mkdir()
+    file = tmp_path / "conf" / "load.yaml"
+    file.write_text("path: ../models/llama\ntp_size: 2\nrules: rules.json\ntrace_dir: traces\n")
+    monkeypatch.chdir(tmp_path)  # not the file's directory
+    config = config_from_file(file)
+    assert config.path == str(tmp_path / "conf" / ".." / "models" / "llama")
+    assert config.rules == str(tmp_path / "conf" / "rules.json")
+    assert config.trace_dir == str(tmp_path / "conf" / "traces")
+    # a flag's relative path is the user's, relative to where they run; s3:// stays a URL
+    assert config_from_file(file, {"path": "here"}).path == "here"
+    file.write_text("path: s3://bucket/llama\ntp_size: 2\n")
+    assert config_from_file(file).path == "s3://bucket/llama"

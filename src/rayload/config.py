@@ -37,6 +37,7 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 from rayload import options
 from rayload.errors import ConfigError
 from rayload.loading.methods import LoadMethod
+from rayload.loading.storage.base import is_remote
 
 Device = Literal["auto", "cpu", "cuda"]
 ProcessGroup = Literal["auto", "gloo", "nccl"]
@@ -352,14 +353,31 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
+PATH_FIELDS = ("path", "rules", "trace_dir")
+"""Fields that name local files: relative in a config file means relative to that file."""
+
+
+def _beside(config_file: str | os.PathLike[str], fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` with each relative local path of :data:`PATH_FIELDS` made relative to the
+    config file's directory (as a file written beside the checkpoint expects; ``s3://``
+    and absolute paths stay as they are)."""
+    here = os.path.dirname(os.path.abspath(config_file))
+    beside = dict(fields)
+    for name in PATH_FIELDS:
+        value = beside.get(name)
+        if isinstance(value, str) and value and not is_remote(value) and not os.path.isabs(value):
+            beside[name] = os.path.join(here, value)
+    return beside
+
+
 def config_from_file(
     path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None
 ) -> LoadConfig:
     """The config in the YAML or JSON file at ``path``, ``overrides`` (e.g. command-line
-    flags) replacing its values. A bad value is one :class:`~rayload.errors.ConfigError`
+    flags) replacing its values; the file's relative paths are relative to the file. A bad value is one :class:`~rayload.errors.ConfigError`
     line that names the file (when the value came from it), the field and the reason."""
     given = dict(overrides or {})
-    fields = {**read_config_file(path), **given}
+    fields = {**_beside(path, read_config_file(path)), **given}
     try:
         return LoadConfig(**fields)
     except ValidationError as exc:

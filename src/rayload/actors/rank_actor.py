@@ -7,6 +7,11 @@ explicitly.
 
 The class is plain Python; the driver wraps it with ``ray.remote`` and the resources of the
 rank's bundle (see :mod:`rayload.actors.rank_group`).
+
+Past 400 lines on purpose: a Ray actor is one class, and each of its methods is one thing a
+driver asks of a rank (setup, load, reload, peers, apply, shutdown); what they call lives in
+``loading/``, ``tracing/`` and ``actors/peers.py``. The timed imports below (each group
+stamped for the spawn spans) must also stay in the module Ray's worker imports first.
 """
 
 # ruff: noqa: E402  (the imports are timed: each group is stamped before and after)
