@@ -1,0 +1,74 @@
+"""The vLLM workers' trace without vLLM (rayload.integrations.vllm_trace imports vLLM only
+where it asks vLLM something): a worker with no vLLM trace context records the root
+itself, and the trace files appear once every rank of the trace has written its spans.
+The engine test (tests/vllm/test_trace.py) covers vLLM's context and its TP group."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from opentelemetry.sdk.trace import ReadableSpan
+
+from rayload.integrations.vllm_trace import TraceTarget, WorkerTrace, _merge_into
+from rayload.loading.model import MODEL_BUILD_PHASE, MODEL_FILL_PHASE
+from rayload.tracing import schema
+from rayload.tracing.decode import decode_spans
+
+
+def _otlp_spans(trace_dir: Path) -> list[dict[str, object]]:
+    otlp = json.loads((trace_dir / "trace.otlp.json").read_text())
+    return [s for r in otlp["resourceSpans"] for sc in r["scopeSpans"] for s in sc["spans"]]
+
+
+def test_a_worker_without_vllms_context_records_the_root(tmp_path: Path) -> None:
+    trace = WorkerTrace(TraceTarget(otlp=False, endpoint=None, trace_dir=tmp_path))
+    with trace.phase(MODEL_BUILD_PHASE):
+        pass
+    with trace.phase(MODEL_FILL_PHASE):
+        pass
+    trace.finish(0, 1, None, None)
+    spans = _otlp_spans(tmp_path)
+    by_name = {s["name"]: s for s in spans}
+    assert sorted(by_name) == sorted(
+        [schema.ROOT_SPAN, schema.RANK_SPAN, MODEL_BUILD_PHASE, MODEL_FILL_PHASE]
+    )
+    root, rank_load = by_name[schema.ROOT_SPAN], by_name[schema.RANK_SPAN]
+    assert not root.get("parentSpanId")
+    assert rank_load["parentSpanId"] == root["spanId"]
+    assert by_name[MODEL_FILL_PHASE]["parentSpanId"] == rank_load["spanId"]
+    assert len({s["traceId"] for s in spans}) == 1
+
+
+def test_a_failed_load_is_an_error_span(tmp_path: Path) -> None:
+    trace = WorkerTrace(TraceTarget(otlp=False, endpoint=None, trace_dir=tmp_path))
+    trace.finish(0, 1, None, "ShardingError('model.embed_tokens.weight')")
+    (rank_load,) = [s for s in _otlp_spans(tmp_path) if s["name"] == schema.RANK_SPAN]
+    assert rank_load["status"]["code"] == 2  # type: ignore[index]
+
+
+def test_no_target_records_nothing(tmp_path: Path) -> None:
+    WorkerTrace(None).finish(0, 1, None, None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _one_rank(trace_dir: Path) -> list[ReadableSpan]:
+    """The spans a single-rank worker writes: its root, rank.load."""
+    trace_dir.mkdir()
+    WorkerTrace(TraceTarget(otlp=False, endpoint=None, trace_dir=trace_dir)).finish(
+        0, 1, None, None
+    )
+    (payload,) = trace_dir.glob("rank0-*.otlp.pb")
+    return decode_spans(payload.read_bytes())
+
+
+def test_the_files_wait_for_every_rank_of_their_trace(tmp_path: Path) -> None:
+    ours, other = _one_rank(tmp_path / "ours"), _one_rank(tmp_path / "other")
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    assert _merge_into(merged, 0, 2, ours) is None
+    assert _merge_into(merged, 1, 2, other) is None  # another trace's rank 1
+    assert not (merged / "trace.otlp.json").exists()
+    assert _merge_into(merged, 1, 2, ours) == 2 * len(ours)
+    trace_id = ours[0].context.trace_id  # type: ignore[union-attr]
+    assert {s["traceId"] for s in _otlp_spans(merged)} == {f"{trace_id:032x}"}
