@@ -141,7 +141,7 @@ def build_app(args: dict[str, Any]) -> Any:
     """The application for ``serve run`` / ``serve.run``: ``args`` are
     :class:`VllmServer`'s (``model``, ``tensor_parallel_size``, ``load_format``,
     ``max_tokens``, ``engine_args``)."""
-    return VllmServer.bind(**args)
+    return VllmServer.bind(**args)  # type: ignore[attr-defined]
 
 
 def main() -> None:
@@ -152,7 +152,7 @@ def main() -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
     engine_args = {"dtype": "float32", "enforce_eager": True, "max_model_len": 256}
     app = build_app({"model": checkpoint, "tensor_parallel_size": tp, "engine_args": engine_args})
-    handle = serve.run(app, name="rayload-vllm")
+    handle: Any = serve.run(app, name="rayload-vllm")
     token_ids = [1, 2, 3, 4, 5]
     post = urllib.request.Request(
         "http://127.0.0.1:8000/", data=json.dumps({"token_ids": token_ids}).encode()

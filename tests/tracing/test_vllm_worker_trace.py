@@ -1,22 +1,32 @@
 """The vLLM workers' trace without vLLM (rayload.integrations.vllm_trace imports vLLM only
 where it asks vLLM something): a worker with no vLLM trace context records the root
 itself, and the trace files appear once every rank of the trace has written its spans.
-The engine test (tests/vllm/test_trace.py) covers vLLM's context and its TP group."""
+vLLM's tracer provider gets span ids a seed does not repeat. The engine test
+(tests/vllm/test_trace.py) covers vLLM's context and its TP group."""
 
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
+from typing import Any
 
-from opentelemetry.sdk.trace import ReadableSpan
+import pytest
+from opentelemetry import trace as trace_api
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 
-from rayload.integrations.vllm_trace import TraceTarget, WorkerTrace, _merge_into
+from rayload.integrations.vllm_trace import (
+    TraceTarget,
+    WorkerTrace,
+    _merge_into,
+    secure_span_ids,
+)
 from rayload.loading.model import MODEL_BUILD_PHASE, MODEL_FILL_PHASE
 from rayload.tracing import schema
 from rayload.tracing.decode import decode_spans
 
 
-def _otlp_spans(trace_dir: Path) -> list[dict[str, object]]:
+def _otlp_spans(trace_dir: Path) -> list[dict[str, Any]]:
     otlp = json.loads((trace_dir / "trace.otlp.json").read_text())
     return [s for r in otlp["resourceSpans"] for sc in r["scopeSpans"] for s in sc["spans"]]
 
@@ -44,7 +54,7 @@ def test_a_failed_load_is_an_error_span(tmp_path: Path) -> None:
     trace = WorkerTrace(TraceTarget(otlp=False, endpoint=None, trace_dir=tmp_path))
     trace.finish(0, 1, None, "ShardingError('model.embed_tokens.weight')")
     (rank_load,) = [s for s in _otlp_spans(tmp_path) if s["name"] == schema.RANK_SPAN]
-    assert rank_load["status"]["code"] == 2  # type: ignore[index]
+    assert rank_load["status"]["code"] == 2
 
 
 def test_no_target_records_nothing(tmp_path: Path) -> None:
@@ -70,5 +80,24 @@ def test_the_files_wait_for_every_rank_of_their_trace(tmp_path: Path) -> None:
     assert _merge_into(merged, 1, 2, other) is None  # another trace's rank 1
     assert not (merged / "trace.otlp.json").exists()
     assert _merge_into(merged, 1, 2, ours) == 2 * len(ours)
-    trace_id = ours[0].context.trace_id  # type: ignore[union-attr]
+    trace_id = ours[0].context.trace_id
     assert {s["traceId"] for s in _otlp_spans(merged)} == {f"{trace_id:032x}"}
+
+
+def test_vllms_tracer_provider_gets_ids_a_seed_does_not_repeat(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM seeds `random` alike in every worker; its provider's default ids follow it."""
+
+    def load_model_span_id(provider: TracerProvider) -> int:
+        random.seed(0)
+        span = provider.get_tracer("vllm.worker").start_span("Load model")
+        span.end()
+        return span.get_span_context().span_id
+
+    workers = [TracerProvider(), TracerProvider()]
+    assert load_model_span_id(workers[0]) == load_model_span_id(workers[1])
+    for provider in workers:
+        monkeypatch.setattr(trace_api, "get_tracer_provider", lambda p=provider: p)
+        secure_span_ids()
+    assert load_model_span_id(workers[0]) != load_model_span_id(workers[1])

@@ -127,7 +127,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                 "model_loader_extra_config": {"trace_dir": str(tmp / "trace")},
             },
         )
-        handle = serve.run(app, name="rayload-vllm", route_prefix="/")
+        handle: Any = serve.run(app, name="rayload-vllm", route_prefix="/")
         yield Served(
             f"http://127.0.0.1:{port}/", handle, checkpoint, rolled, tensors, tmp / "trace"
         )

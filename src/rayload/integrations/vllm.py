@@ -46,7 +46,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from rayload.errors import CheckpointError, ConfigError
 from rayload.integrations.partial import partial_tensor
-from rayload.integrations.vllm_trace import WorkerTrace, trace_target
+from rayload.integrations.vllm_trace import WorkerTrace, secure_span_ids, trace_target
 from rayload.loading.checkpoint import Checkpoint
 from rayload.loading.model import MODEL_BUILD_PHASE, MODEL_FILL_PHASE
 from rayload.loading.plan import RankPlan, TensorShard
@@ -223,11 +223,13 @@ class RayloadModelLoader(BaseModelLoader):
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: registers ``load_format="rayload"``."""
+    """The ``vllm.general_plugins`` entry point: registers ``load_format="rayload"`` (and
+    makes vLLM's span ids in this process unique, :func:`secure_span_ids`)."""
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
 
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not RayloadModelLoader:
         register_model_loader(LOAD_FORMAT)(RayloadModelLoader)
+    secure_span_ids()
 
 
 def _parallel_layout() -> tuple[int, int, bool]:

@@ -29,6 +29,10 @@ of another trace (vLLM tracing the workers without a shared parent) or has none 
 tracing, ``trace_dir`` only) takes rank 0's instead. Without a vLLM context rank 0 records
 the root itself: ``rayload.load``, spanning its own load.
 
+vLLM's own span ids are drawn from ``random``, seeded alike in every worker: rayload
+gives vLLM's tracer provider its secure ids when vLLM loads the plugin
+(:func:`secure_span_ids`), so the workers' spans stay apart.
+
 Times are each worker's wall clock, uncorrected: exact for the workers of one host (vLLM's
 mp executor), not measured across hosts (vLLM's Ray executor on several nodes).
 """
@@ -53,7 +57,8 @@ from opentelemetry.sdk.environment_variables import (
     OTEL_EXPORTER_OTLP_TRACES_ENDPOINT,
 )
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Status, StatusCode, TraceFlags
 
@@ -92,6 +97,7 @@ def trace_target(trace_dir: str | None) -> TraceTarget | None:
     tracing (vLLM has no endpoint, none is in the environment, no ``trace_dir``)."""
     from vllm.config import get_current_vllm_config
 
+    secure_span_ids()
     endpoint = get_current_vllm_config().observability_config.otlp_traces_endpoint
     otlp = bool(
         endpoint
@@ -101,6 +107,22 @@ def trace_target(trace_dir: str | None) -> TraceTarget | None:
     if not otlp and trace_dir is None:
         return None
     return TraceTarget(otlp, endpoint, None if trace_dir is None else prepare_trace_dir(trace_dir))
+
+
+def secure_span_ids() -> None:
+    """Give vLLM's tracer provider in this process (when it has one) rayload's
+    :class:`~rayload.tracing.SecureIdGenerator`. vLLM's draws ids from ``random``, which
+    vLLM seeds alike in every worker (``seed=``), so the workers' spans after the seed
+    ("Load model", "Initialize model", ...) would share their span ids and a trace could
+    not tell whose child ``rank.load`` is. Called when vLLM loads the plugin in a process,
+    before the seed, and again at load time."""
+    provider = trace_api.get_tracer_provider()
+    ids = getattr(provider, "id_generator", None)
+    if isinstance(provider, TracerProvider) and type(ids) is RandomIdGenerator:
+        # The provider's tracers (cached) share this object: give it secure draws.
+        secure = SecureIdGenerator()
+        ids.generate_span_id = secure.generate_span_id  # type: ignore[method-assign]
+        ids.generate_trace_id = secure.generate_trace_id  # type: ignore[method-assign]
 
 
 class WorkerTrace:
@@ -149,12 +171,15 @@ class WorkerTrace:
         spans = decode_spans(payload)
         if root_ids is not None:
             spans.insert(0, _root_span(root_ids, tp_size, start_ns, end_ns, error))
-        thread = threading.Thread(
-            target=_ship, args=(self.target, rank, tp_size, spans), name="rayload-vllm-trace"
-        )
-        thread.start()
         if self.target.trace_dir is not None:
-            thread.join()  # files are cheap, and there once the load returns
+            _write_files(self.target.trace_dir, rank, tp_size, spans)
+        if self.target.otlp:
+            threading.Thread(
+                target=export_otlp,
+                args=(spans, self.target.endpoint),
+                name="rayload-vllm-trace",
+                daemon=True,
+            ).start()
 
 
 def _parent(rank: int, tp_size: int) -> tuple[str, tuple[int, int] | None]:
@@ -202,19 +227,17 @@ def _root_span(
     )
 
 
-def _ship(target: TraceTarget, rank: int, tp_size: int, spans: list[ReadableSpan]) -> None:
-    """Send the spans to the OTLP endpoint and/or the trace directory; logs, never raises."""
+def _write_files(trace_dir: Path, rank: int, tp_size: int, spans: list[ReadableSpan]) -> None:
+    """:func:`_merge_into`, logged; a trace that cannot be written never fails the load."""
     try:
-        if target.trace_dir is not None:
-            merged = _merge_into(target.trace_dir, rank, tp_size, spans)
-            if merged is not None:
-                logger.info(
-                    "rayload: the load's trace (%d spans) is in %s", merged, target.trace_dir
-                )
-        if target.otlp:
-            export_otlp(spans, target.endpoint)
-    except Exception as exc:  # telemetry never fails a load
-        logger.warning("rayload: rank %d could not write its trace: %s", rank, exc)
+        merged = _merge_into(trace_dir, rank, tp_size, spans)
+    except OSError as exc:
+        logger.warning(
+            "rayload: rank %d could not write its trace into %s: %s", rank, trace_dir, exc
+        )
+        return
+    if merged is not None:
+        logger.info("rayload: the load's trace (%d spans) is in %s", merged, trace_dir)
 
 
 def _merge_into(trace_dir: Path, rank: int, tp_size: int, spans: list[ReadableSpan]) -> int | None:
