@@ -132,9 +132,11 @@ class VllmServer:
         ``path``, default the model's); the tensors each worker read."""
         return await self._run(self.llm.collective_rpc, _reload, None, (load_format, path))
 
-    async def shutdown(self) -> None:
-        """Stop vLLM's engine processes (before the replica goes)."""
-        await self._run(self.llm.llm_engine.engine_core.shutdown)
+    def __del__(self) -> None:
+        """Serve calls this as the replica goes: stop vLLM's engine processes with it."""
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
 
 
 def build_app(args: dict[str, Any]) -> Any:
@@ -153,13 +155,18 @@ def main() -> None:
     engine_args = {"dtype": "float32", "enforce_eager": True, "max_model_len": 256}
     app = build_app({"model": checkpoint, "tensor_parallel_size": tp, "engine_args": engine_args})
     handle: Any = serve.run(app, name="rayload-vllm")
-    token_ids = [1, 2, 3, 4, 5]
-    post = urllib.request.Request(
-        "http://127.0.0.1:8000/", data=json.dumps({"token_ids": token_ids}).encode()
-    )
-    with urllib.request.urlopen(post, timeout=60) as response:
-        print(f"POST {token_ids} -> {json.load(response)['token_ids']}")
-    handle.shutdown.remote().result()
+    body = json.dumps({"token_ids": [1, 2, 3, 4, 5]}).encode()
+
+    def post() -> list[int]:
+        request = urllib.request.Request("http://127.0.0.1:8000/", data=body)
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return list(json.load(response)["token_ids"])
+
+    answer = post()
+    print(f"POST {body.decode()} -> {answer} (weights loaded by rayload)")
+    handle.reload_weights.remote("auto").result()
+    same = "the same" if post() == answer else "DIFFERENT"
+    print(f"reloaded by vLLM's own loader (load_format='auto'): {same} answer")
     serve.shutdown()
     ray.shutdown()
 

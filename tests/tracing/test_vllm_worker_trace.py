@@ -101,3 +101,18 @@ def test_vllms_tracer_provider_gets_ids_a_seed_does_not_repeat(
         monkeypatch.setattr(trace_api, "get_tracer_provider", lambda p=provider: p)
         secure_span_ids()
     assert load_model_span_id(workers[0]) != load_model_span_id(workers[1])
+
+
+def test_tracing_from_the_environment_alone_does_not_wait_for_other_workers(
+    otlp_grpc_receiver: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 of 2, traced by its environment only: no broadcast (which would wait for
+    rank 0 forever), its own root, sent to the environment's endpoint."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", otlp_grpc_receiver.endpoint)
+    target = TraceTarget(otlp=True, endpoint=None, trace_dir=None, agreed=False)
+    WorkerTrace(target).finish(1, 2, None, None)
+    assert otlp_grpc_receiver.wait_for_requests(1)
+    spans = {s.name: s for s in otlp_grpc_receiver.spans()}
+    assert set(spans) == {schema.ROOT_SPAN, schema.RANK_SPAN}
+    assert spans[schema.RANK_SPAN].parent.span_id == spans[schema.ROOT_SPAN].context.span_id
+    assert spans[schema.RANK_SPAN].resource.attributes[schema.RANK] == 1

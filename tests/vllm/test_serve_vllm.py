@@ -131,7 +131,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         yield Served(
             f"http://127.0.0.1:{port}/", handle, checkpoint, rolled, tensors, tmp / "trace"
         )
-        handle.shutdown.remote().result()
     finally:
         serve.shutdown()
         ray.shutdown()

@@ -24,10 +24,12 @@ init" or "Overall Loading" in the engine process, then "EngineCoreProc init", "E
 init", each worker's "Worker init", "Loading (CPU)"/"Loading (GPU)", "Load model"), and
 propagates its context to the workers through ``traceparent`` in their environment. The
 worker's current span at load time is then vLLM's "Load model", and ``rank.load`` is its
-child. Rank 0 broadcasts its trace id over vLLM's TP group; a worker whose own context is
-of another trace (vLLM tracing the workers without a shared parent) or has none (no vLLM
-tracing, ``trace_dir`` only) takes rank 0's instead. Without a vLLM context rank 0 records
-the root itself: ``rayload.load``, spanning its own load.
+child. When the engine's config asks for tracing (its endpoint or ``trace_dir``), rank 0
+broadcasts its parent over vLLM's TP group; a worker whose own context is of another
+trace, or has none, takes rank 0's instead. Without a vLLM context rank 0 records the
+root itself: ``rayload.load``, spanning its own load. Tracing asked for by a worker's
+environment alone (``OTEL_EXPORTER_OTLP_*``, which may differ between nodes) does not
+broadcast: each worker then keeps vLLM's context, or records a root of its own.
 
 vLLM's own span ids are drawn from ``random``, seeded alike in every worker: rayload
 gives vLLM's tracer provider its secure ids when vLLM loads the plugin
@@ -85,11 +87,15 @@ _PAYLOAD_SUFFIX = ".otlp.pb"
 @dataclass(frozen=True)
 class TraceTarget:
     """Where a worker's spans go: an OTLP endpoint (None: the environment's, when set)
-    and/or a directory of trace files."""
+    and/or a directory of trace files. ``agreed``: the tracing comes from the engine's
+    config (its endpoint or ``trace_dir``), the same in every worker, so the workers may
+    agree on the trace over the TP group; tracing from a worker's environment alone
+    (which may differ between nodes) never waits for the other workers."""
 
     otlp: bool
     endpoint: str | None
     trace_dir: Path | None
+    agreed: bool = True
 
 
 def trace_target(trace_dir: str | None) -> TraceTarget | None:
@@ -106,7 +112,8 @@ def trace_target(trace_dir: str | None) -> TraceTarget | None:
     )
     if not otlp and trace_dir is None:
         return None
-    return TraceTarget(otlp, endpoint, None if trace_dir is None else prepare_trace_dir(trace_dir))
+    directory = None if trace_dir is None else prepare_trace_dir(trace_dir)
+    return TraceTarget(otlp, endpoint, directory, agreed=bool(endpoint) or directory is not None)
 
 
 def secure_span_ids() -> None:
@@ -152,7 +159,7 @@ class WorkerTrace:
         start_ns = self.start_ns if self.start_ns is not None else end_ns
         if report is not None:
             start_ns = min(start_ns, report.start_ns)
-        parent, root_ids = _parent(rank, tp_size)
+        parent, root_ids = _parent(rank, tp_size if self.target.agreed else 1)
         phases = sorted(
             (*self.timer.records, *(() if report is None else report.phases)),
             key=lambda p: p.start_ns,
@@ -184,26 +191,27 @@ class WorkerTrace:
 
 def _parent(rank: int, tp_size: int) -> tuple[str, tuple[int, int] | None]:
     """The traceparent of this worker's ``rank.load``, and the ``(trace id, span id)`` of
-    the root rank 0 records (None: vLLM's own span is the parent)."""
+    the root this worker records (None: another span is the parent). ``tp_size`` 1: no
+    agreement with the other workers."""
     own = trace_api.get_current_span().get_span_context()
     root_ids = None
-    if rank == 0:
-        if own.is_valid:
-            shared = format_traceparent(own)
-        else:
-            ids = SecureIdGenerator()
-            root_ids = (ids.generate_trace_id(), ids.generate_span_id())
-            shared = f"00-{root_ids[0]:032x}-{root_ids[1]:016x}-01"
+    if own.is_valid:
+        mine = format_traceparent(own)
     else:
-        shared = ""
-    if tp_size > 1:
-        from vllm.distributed import get_tp_group
+        ids = SecureIdGenerator()
+        root_ids = (ids.generate_trace_id(), ids.generate_span_id())
+        mine = f"00-{root_ids[0]:032x}-{root_ids[1]:016x}-01"
+    if tp_size == 1:
+        return mine, root_ids
+    from vllm.distributed import get_tp_group
 
-        shared = get_tp_group().broadcast_object(shared, src=0)
+    shared = get_tp_group().broadcast_object(mine if rank == 0 else None, src=0)
+    if rank == 0:
+        return mine, root_ids
     if own.is_valid and f"{own.trace_id:032x}" == shared.split("-")[1]:
-        return format_traceparent(own), root_ids
+        return mine, None
     parse_traceparent(shared)  # rank 0 sent a valid one
-    return shared, root_ids
+    return shared, None
 
 
 def _root_span(
