@@ -23,7 +23,10 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is in the vLLM test environment (.venv-vllm) only")
+# vllm.model_executor, not vllm: tests/vllm itself imports as a namespace package `vllm`.
+pytest.importorskip(
+    "vllm.model_executor", reason="vLLM is in the vLLM test environment (.venv-vllm) only"
+)
 
 from opentelemetry.sdk.trace import ReadableSpan
 
