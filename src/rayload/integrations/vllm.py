@@ -3,7 +3,8 @@
 Registered in every vLLM process (engine and workers) by the ``vllm.general_plugins``
 entry point ``rayload = rayload.integrations.vllm:register`` (``pip install rayload[vllm]``),
 so ``LLM(..., load_format="rayload")`` and ``vllm serve ... --load-format rayload`` find it.
-This module is the only one of rayload that imports vLLM.
+This module and its tracing (:mod:`rayload.integrations.vllm_trace`, which imports vLLM
+only inside the functions that ask it something) are the only ones of rayload that import vLLM.
 
 In each worker :meth:`RayloadModelLoader.load_weights`:
 
