@@ -1,2 +1,3 @@
-"""Engines that use rayload as their weight loader. Each module here is the only one that
-imports its engine (``rayload.integrations.vllm`` imports vLLM); rayload's core never does."""
+"""Engines that use rayload as their weight loader. An engine's modules here are the only
+ones that import it (``rayload.integrations.vllm`` and ``vllm_trace`` import vLLM);
+rayload's core never does."""

@@ -3,7 +3,8 @@
 Registered in every vLLM process (engine and workers) by the ``vllm.general_plugins``
 entry point ``rayload = rayload.integrations.vllm:register`` (``pip install rayload[vllm]``),
 so ``LLM(..., load_format="rayload")`` and ``vllm serve ... --load-format rayload`` find it.
-This module is the only one of rayload that imports vLLM.
+This module and its tracing (:mod:`rayload.integrations.vllm_trace`, which imports vLLM
+only inside the functions that ask it something) are the only ones of rayload that import vLLM.
 
 In each worker :meth:`RayloadModelLoader.load_weights`:
 
@@ -22,6 +23,8 @@ In each worker :meth:`RayloadModelLoader.load_weights`:
    vLLM's default loader.
 
 rayload's options travel in ``model_loader_extra_config`` (:class:`VllmLoadOptions`).
+Each worker's load joins one trace, with vLLM's own start-up spans where vLLM traces
+(:mod:`rayload.integrations.vllm_trace`).
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from rayload.errors import CheckpointError, ConfigError
 from rayload.integrations.partial import partial_tensor
+from rayload.integrations.vllm_trace import WorkerTrace, secure_span_ids, trace_target
 from rayload.loading.checkpoint import Checkpoint
+from rayload.loading.model import MODEL_BUILD_PHASE, MODEL_FILL_PHASE
 from rayload.loading.plan import RankPlan, TensorShard
 from rayload.loading.plan_hf import tensor_shard
 from rayload.loading.probe import read_chars
@@ -65,6 +70,8 @@ class VllmLoadOptions(BaseModel):
     machine; ``strict`` makes any fallback an error). ``device``: where rayload puts the
     shards before vLLM copies them into its parameters (default: vLLM's load device).
     ``rules``: a sharding rules file for an architecture rayload has no preset for.
+    ``trace_dir``: where the workers' spans are merged into rayload's trace files (they
+    also go to vLLM's OTLP endpoint when it has one).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -75,6 +82,7 @@ class VllmLoadOptions(BaseModel):
     device: str | None = None
     rules: str | None = None
     strict: bool = False
+    trace_dir: str | None = None
 
     @classmethod
     def parse(cls, extra: object) -> VllmLoadOptions:
@@ -130,15 +138,42 @@ class RayloadModelLoader(BaseModelLoader):
     def __init__(self, load_config: LoadConfig):
         super().__init__(load_config)
         self.options = VllmLoadOptions.parse(load_config.model_loader_extra_config)
+        self._trace: WorkerTrace | None = None
 
     def download_model(self, model_config: ModelConfig) -> None:
         _checkpoint_dir(model_config)
 
+    def create_model(
+        self, vllm_config: Any, model_config: ModelConfig, prefix: str = ""
+    ) -> nn.Module:
+        """vLLM's own model init, timed as ``rank.model.build`` of the worker's trace."""
+        self._trace = WorkerTrace(trace_target(self.options.trace_dir))
+        with self._trace.phase(MODEL_BUILD_PHASE):
+            return super().create_model(vllm_config, model_config, prefix)
+
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        rank, tp_size, expert_parallel = _parallel_layout()
+        trace = self._trace or WorkerTrace(trace_target(self.options.trace_dir))
+        self._trace = None
+        try:
+            self._load_weights(model, model_config, rank, tp_size, expert_parallel, trace)
+        except BaseException as exc:
+            trace.finish(rank, tp_size, None, repr(exc))
+            raise
+        trace.finish(rank, tp_size, _last_load.report if _last_load else None, None)
+
+    def _load_weights(
+        self,
+        model: nn.Module,
+        model_config: ModelConfig,
+        rank: int,
+        tp_size: int,
+        expert_parallel: bool,
+        trace: WorkerTrace,
+    ) -> None:
         global _last_load
         start = time.perf_counter()
         chars_before = read_chars()
-        rank, tp_size, expert_parallel = _parallel_layout()
         path = _checkpoint_dir(model_config)
         vocab = _vocab_rows(model)
         device = self.options.device or _param_device(model)
@@ -161,7 +196,8 @@ class RayloadModelLoader(BaseModelLoader):
         )
         chars_after = read_chars()
         shards = {s.name: s for s in planned[-1].shards}
-        loaded = model.load_weights(_weights(tensors, shards, rank))  # type: ignore[operator]
+        with trace.phase(MODEL_FILL_PHASE):
+            loaded = model.load_weights(_weights(tensors, shards, rank))  # type: ignore[operator]
         if model_config.quantization is None:
             _check_all_loaded(model, loaded, rank, path)
         seconds = time.perf_counter() - start
@@ -188,11 +224,13 @@ class RayloadModelLoader(BaseModelLoader):
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: registers ``load_format="rayload"``."""
+    """The ``vllm.general_plugins`` entry point: registers ``load_format="rayload"`` (and
+    makes vLLM's span ids in this process unique, :func:`secure_span_ids`)."""
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
 
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not RayloadModelLoader:
         register_model_loader(LOAD_FORMAT)(RayloadModelLoader)
+    secure_span_ids()
 
 
 def _parallel_layout() -> tuple[int, int, bool]:
