@@ -374,8 +374,9 @@ def config_from_file(
     path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None
 ) -> LoadConfig:
     """The config in the YAML or JSON file at ``path``, ``overrides`` (e.g. command-line
-    flags) replacing its values; the file's relative paths are relative to the file. A bad value is one :class:`~rayload.errors.ConfigError`
-    line that names the file (when the value came from it), the field and the reason."""
+    flags) replacing its values; the file's relative paths are relative to the file. A bad
+    value is one :class:`~rayload.errors.ConfigError` line that names the file (when the
+    value came from it), the field and the reason."""
     given = dict(overrides or {})
     fields = {**_beside(path, read_config_file(path)), **given}
     try:
