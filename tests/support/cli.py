@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import io
 import logging
+import subprocess
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
+from pathlib import Path
 
 from rayload.cli import main
 
@@ -58,13 +60,25 @@ def run_cli(*args: str) -> CliRun:
     """``rayload ARGS`` in this process; never raises on a non-zero exit (argparse's
     ``SystemExit`` included)."""
     stdout, stderr = io.StringIO(), io.StringIO()
-    with redirect_stdout(stdout), redirect_stderr(stderr):
-        with _fresh_process_logging_and_warnings(stderr):
-            try:
-                code = main(list(args))
-            except SystemExit as exited:
-                code = 0 if exited.code is None else int(exited.code)
+    with (
+        redirect_stdout(stdout),
+        redirect_stderr(stderr),
+        _fresh_process_logging_and_warnings(stderr),
+    ):
+        try:
+            code = main(list(args))
+        except SystemExit as exited:
+            code = 0 if exited.code is None else int(exited.code)
     return CliRun(returncode=code, stdout=stdout.getvalue(), stderr=stderr.getvalue())
+
+
+@dataclass(frozen=True)
+class FreshDemo:
+    """What ``rayload demo`` in a fresh process did (the ``fresh_demo`` fixture of
+    tests/conftest.py): its exit and output, and the trace directory it wrote."""
+
+    run: subprocess.CompletedProcess[str]
+    trace_dir: Path
 
 
 def assert_one_line_error(result: CliRun, *needles: str) -> None:
