@@ -13,6 +13,10 @@
   logits (the oracle of the TP forward tests). Session-scoped.
 * ``write_raw_safetensors(path, header, data)``: write a possibly malformed file byte by
   byte (8-byte length, JSON header, data), for bad-input tests.
+* ``fresh_demo``: one ``python -m rayload.cli demo`` in a fresh process (no ``RAY_*`` in
+  its environment, so it starts and stops its own Ray) and the trace it wrote. Session-
+  scoped: its exit, stderr and trace are read by tests/ray_cluster/test_cli_load.py and
+  tests/tracing/test_demo_trace.py; one run instead of one each (~20 s).
 
 The fast loop (``make test-fast`` = ``pytest --fast``) deselects the tests marked ``slow``,
 ``ray`` (every test under tests/ray_cluster is marked here) and ``browser``, and keeps the
@@ -27,6 +31,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -37,6 +43,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rayload.loading.synthetic import write_checkpoint
+from support.cli import FreshDemo
 from support.s3 import s3_environment
 
 # The standard AWS environment naming the tests' S3 server (tests/support/s3.py), set before
@@ -271,3 +278,21 @@ def make_converted() -> Callable[[Path, Path, int], Path]:
         return out
 
     return make
+
+
+@pytest.fixture(scope="session")
+def fresh_demo(tmp_path_factory: pytest.TempPathFactory) -> FreshDemo:
+    """``rayload demo`` (its default trace directory) from a fresh process: a process of
+    its own because the demo must start and stop its own Ray, whatever this one runs."""
+    cwd = tmp_path_factory.mktemp("fresh-demo")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    run = subprocess.run(
+        [sys.executable, "-m", "rayload.cli", "demo"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    return FreshDemo(run=run, trace_dir=cwd / "rayload-demo-traces")

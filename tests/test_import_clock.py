@@ -7,8 +7,9 @@ import itertools
 import json
 import subprocess
 import sys
-import textwrap
 from typing import Any
+
+import pytest
 
 COVERAGE = 0.90
 
@@ -39,29 +40,56 @@ def loaders(names):
 """
 
 
-def _run(body: str) -> dict[str, Any]:
-    code = _REPORT + textwrap.dedent(body)
+# One fresh interpreter for every test here (each would pay for importing torch again), in
+# this order: what the import left (nothing may run before it), then a timer asked for an
+# already imported package, then a broken clock (last: it replaces the module's clock).
+_REPORTS = """
+report = {"imported": {
+    "start": clock.IMPORT_START_NS,
+    "end": clock.TORCH_IMPORTED_NS,
+    "records": clock.TORCH_CHILD_IMPORTS,
+    "loaders": loaders(["torch"] + [m for m, _, _ in clock.TORCH_CHILD_IMPORTS]),
+    "leftovers": leftovers(),
+    "finders": [type(f).__name__ for f in sys.meta_path],
+}}
+report["already_imported"] = {"records": clock._import_timed("torch")}
+
+class Broken:
+    def time_ns(self):
+        raise RuntimeError("broken clock")
+
+before = "email.mime.text" in sys.modules
+clock.time = Broken()
+records = clock._import_timed("email.mime.text")
+import email.mime.text
+report["broken_clock"] = {
+    "records": records,
+    "before": before,
+    "imported": "email.mime.text" in sys.modules,
+    "leftovers": leftovers(),
+    "finders": [type(f).__name__ for f in sys.meta_path],
+}
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[str, Any]:
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-c", _REPORT + _REPORTS],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def test_import_clock_times_torch_children_inside_its_import_without_overlap() -> None:
-    report = _run(
-        """
-        records = clock.TORCH_CHILD_IMPORTS
-        print(json.dumps({
-            "start": clock.IMPORT_START_NS,
-            "end": clock.TORCH_IMPORTED_NS,
-            "records": records,
-            "loaders": loaders(["torch"] + [m for m, _, _ in records]),
-            "leftovers": leftovers(),
-            "finders": [type(f).__name__ for f in sys.meta_path],
-        }))
-        """
-    )
+def test_import_clock_times_torch_children_inside_its_import_without_overlap(
+    reports: dict[str, Any],
+) -> None:
+    report = reports["imported"]
     records = report["records"]
     assert records, "no child of torch's import was timed"
     names = [m for m, _, _ in records]
@@ -78,32 +106,17 @@ def test_import_clock_times_torch_children_inside_its_import_without_overlap() -
     assert report["loaders"]["torch._C"][0] == "ExtensionFileLoader"
 
 
-def test_import_clock_timer_that_fails_imports_untimed_and_reports_nothing() -> None:
-    report = _run(
-        """
-        class Broken:
-            def time_ns(self):
-                raise RuntimeError("broken clock")
-
-        before = "email.mime.text" in sys.modules
-        clock.time = Broken()
-        records = clock._import_timed("email.mime.text")
-        import email.mime.text
-        print(json.dumps({
-            "records": records,
-            "before": before,
-            "imported": "email.mime.text" in sys.modules,
-            "leftovers": leftovers(),
-            "finders": [type(f).__name__ for f in sys.meta_path],
-        }))
-        """
-    )
+def test_import_clock_timer_that_fails_imports_untimed_and_reports_nothing(
+    reports: dict[str, Any],
+) -> None:
+    report = reports["broken_clock"]
     assert report["records"] == []
     assert not report["before"] and report["imported"]
     assert report["leftovers"] == []
     assert "_ChildImportTimer" not in report["finders"]
 
 
-def test_import_clock_times_nothing_of_an_already_imported_package() -> None:
-    report = _run('print(json.dumps({"records": clock._import_timed("torch")}))')
-    assert report["records"] == []
+def test_import_clock_times_nothing_of_an_already_imported_package(
+    reports: dict[str, Any],
+) -> None:
+    assert reports["already_imported"]["records"] == []

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import inspect
+import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import fastsafetensors
 import pytest
@@ -85,12 +87,46 @@ def test_gdr_copier_needs_both_the_argument_and_the_registered_type() -> None:
     ).fastsafetensors_gdr_copier
 
 
-def test_importing_loading_does_not_import_fastsafetensors() -> None:
-    code = (
-        "import sys, rayload.loading, rayload.loading.probe\n"
-        "assert 'fastsafetensors' not in sys.modules, 'fastsafetensors imported eagerly'\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+_FRESH_LOADS = """
+import json, sys
+import rayload.loading, rayload.loading.probe
+from rayload.loading import load_rank
+seen = {"import": [None, "fastsafetensors" in sys.modules]}
+for method in sys.argv[2:]:
+    _, report = load_rank(sys.argv[1], 0, 2, method)
+    seen[method] = [report.method.effective.value, "fastsafetensors" in sys.modules]
+print(json.dumps(seen))
+"""
+_PROCESSES = (("scratch", "dummy"), ("auto",), ("fastsafetensors",))
+"""The loads of each fresh interpreter: the methods that must not import fastsafetensors
+share one (after the bare import), each that may import it has its own."""
+
+
+@pytest.fixture(scope="module")
+def fresh_loads(mixed_dtype_checkpoint: Path) -> dict[str, list[Any]]:
+    """``{"import" or method: [effective method, fastsafetensors imported]}``, from fresh
+    interpreters (sys.modules of this one has it already), run side by side."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _FRESH_LOADS, str(mixed_dtype_checkpoint), *methods],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for methods in _PROCESSES
+    ]
+    seen: dict[str, list[Any]] = {}
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        seen.update(json.loads(out.splitlines()[-1]))
+    return seen
+
+
+def test_importing_loading_does_not_import_fastsafetensors(
+    fresh_loads: dict[str, list[Any]],
+) -> None:
+    assert fresh_loads["import"] == [None, False], "fastsafetensors imported eagerly"
 
 
 @pytest.mark.parametrize(
@@ -98,17 +134,10 @@ def test_importing_loading_does_not_import_fastsafetensors() -> None:
     [("scratch", False), ("dummy", False), ("auto", True), ("fastsafetensors", True)],
 )
 def test_a_rank_load_imports_fastsafetensors_only_for_methods_that_may_use_it(
-    mixed_dtype_checkpoint: Path, method: str, imported: bool
+    fresh_loads: dict[str, list[Any]], method: str, imported: bool
 ) -> None:
-    code = (
-        "import sys\n"
-        "from rayload.loading import load_rank\n"
-        f"_, report = load_rank({str(mixed_dtype_checkpoint)!r}, 0, 2, {method!r})\n"
-        "print(report.method.effective.value, 'fastsafetensors' in sys.modules)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
     effective = "scratch" if method == "auto" else method  # auto on CPU: scratch
-    assert out.stdout.split() == [effective, str(imported)]
+    assert fresh_loads[method] == [effective, imported]
 
 
 def test_a_probe_without_fastsafetensors_says_it_was_not_probed() -> None:

@@ -6,9 +6,6 @@ from a fresh process."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +16,7 @@ import rayload
 from rayload.actors.directory import DIRECTORY_NAME, NAMESPACE
 from rayload.cli import main
 from rayload.loading import plan_shards
+from support.cli import FreshDemo
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -198,16 +196,8 @@ def test_demo_in_process_writes_traces_and_says_where(
 
 
 @pytest.mark.slow
-def test_demo_from_fresh_process_starts_and_stops_its_own_ray(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    run = subprocess.run(
-        [sys.executable, "-m", "rayload.cli", "demo"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def test_demo_from_fresh_process_starts_and_stops_its_own_ray(fresh_demo: FreshDemo) -> None:
+    run = fresh_demo.run  # tests/conftest.py: a fresh process with no RAY_* in its env
     assert run.returncode == 0, run.stderr[-2000:]
-    assert (tmp_path / "rayload-demo-traces" / "trace.html").is_file()
+    assert (fresh_demo.trace_dir / "trace.html").is_file()
     assert "rank 1 loaded" in run.stderr

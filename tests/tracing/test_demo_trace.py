@@ -7,8 +7,6 @@ longest import, is divided into its direct child imports."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +14,7 @@ from typing import Any
 import pytest
 
 from rayload.tracing import schema
+from support.cli import FreshDemo
 
 pytestmark = pytest.mark.slow
 
@@ -89,16 +88,12 @@ def unexplained(spans: Sequence[Mapping[str, Any]]) -> list[str]:
     return found
 
 
-def test_demo_trace_explains_every_span_over_a_tenth_of_the_root(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "rayload.cli", "demo", "--trace-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
+def test_demo_trace_explains_every_span_over_a_tenth_of_the_root(fresh_demo: FreshDemo) -> None:
+    # tests/conftest.py: `rayload demo` in a fresh process, which starts its own Ray (the
+    # connect spans), shared with tests/ray_cluster/test_cli_load.py.
+    done = fresh_demo.run
     assert done.returncode == 0, done.stderr[-3000:]
-    spans = _spans(tmp_path)
+    spans = _spans(fresh_demo.trace_dir)
     connect = next(s for s in spans if s["name"] == schema.CONNECT_SPAN)
     if not any(s.get("parentSpanId") == connect["spanId"] for s in spans):
         pytest.skip("rayload.connect has no children yet: api.load does not record them")

@@ -238,6 +238,9 @@ def test_publish_ray_metrics_reach_ray_prometheus_endpoint() -> None:
             include_dashboard=False,
             log_to_driver=False,
             logging_level=logging.ERROR,
+            # Export recorded metrics every second (Ray's floor), not every 10 s: the
+            # scrape below waits for the first export.
+            _system_config={"metrics_report_interval_ms": 1000},
         )
     try:
         publish_ray_metrics(_metrics())
