@@ -81,6 +81,9 @@ def _prepare(case: str, url: str, rank: int) -> Callable[[], int]:
     from rayload.loading import load_rank, open_checkpoint, plan_shards
 
     if case in ("rayload", "rayload-converted"):
+        from rayload.loading.storage import storage_for
+
+        storage_for(url).attributes()  # boto3 imported, its client made (as the others')
 
         def rayload_rank() -> int:
             tensors, _ = load_rank(url, rank, TP, "auto")

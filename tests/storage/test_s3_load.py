@@ -140,3 +140,22 @@ def test_s3_reads_are_traced_with_the_storage(
     assert read.attributes["rayload.storage.bucket"] == "models"
     as_json = report.to_dict()
     assert as_json["storage"] == "s3" and as_json["requests"] == report.requests
+
+
+def test_convert_from_s3_writes_the_local_conversion_and_its_side_files(
+    s3_checkpoints: dict[str, tuple[Path, str]], proxy: Any, tmp_path: Path
+) -> None:
+    """``convert`` with an ``s3://`` source: the same rank files as from the local copy
+    (byte for byte) and the side files (config.json) copied from the bucket."""
+    from rayload.loading.convert import convert_checkpoint
+
+    local, url = s3_checkpoints["index"]
+    from_s3 = convert_checkpoint(url, tmp_path / "from-s3", 2)
+    from_disk = convert_checkpoint(local, tmp_path / "from-disk", 2)
+    names = sorted(p.name for p in from_disk.iterdir())
+    assert "config.json" in names
+    assert sorted(p.name for p in from_s3.iterdir()) == names
+    for name in names:
+        assert (from_s3 / name).read_bytes() == (from_disk / name).read_bytes(), name
+    tensors, report = load_rank(from_s3, 1, 2, "auto")
+    assert report.method.effective.value == "converted" and tensors
