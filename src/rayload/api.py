@@ -54,6 +54,7 @@ from rayload.loading.model import ModelContext, ModelFactory
 from rayload.loading.plan import plan_shards
 from rayload.loading.report import RankReport, mixed_method_warnings
 from rayload.loading.rules import RulesArg, resolve_rules
+from rayload.loading.storage import storage_deadline, versions_read
 from rayload.placement import RankPlacement
 from rayload.progress import LoadProgress, ProgressCallback
 from rayload.result import LoadResult, ReloadResult
@@ -103,11 +104,13 @@ def load(
     config, rules = _config(config, tp_size, method, device, rules, options)
     _check_model_factory(model)
     source = validate(config.path)
-    checkpoint = open_checkpoint(source)
-    rule_set = _read_rules(config.rules if rules is None else rules, checkpoint.architecture)
-    plan = plan_shards(
-        checkpoint, config.tp_size, rules=rule_set, expert_parallel=config.expert_parallel
-    )
+    with storage_deadline(config.timeout):  # the driver's metadata reads (object storage)
+        checkpoint = open_checkpoint(source)
+        rule_set = _read_rules(config.rules if rules is None else rules, checkpoint.architecture)
+        plan = plan_shards(
+            checkpoint, config.tp_size, rules=rule_set, expert_parallel=config.expert_parallel
+        )
+        key = peer_key(checkpoint, plan)
     outputs = TraceOutputs(config.trace_dir, config.otlp_endpoint)
     outputs.prepare()
     deadline = time.monotonic() + config.timeout
@@ -115,9 +118,7 @@ def load(
     trace = _start_trace(config, start_ns, connection)
     base = _request(config, source, trace, checkpoint.config, rule_set, model)
     # A Ray this load started ends with it: nobody else could load from its replicas.
-    sharing = PeerSharing(
-        peer_key(checkpoint, plan), source, enabled=config.peers and not connection.started_ray
-    )
+    sharing = PeerSharing(key, source, enabled=config.peers and not connection.started_ray)
     run = _Run(config, trace, outputs, sharing, connection.started_ray, deadline, progress)
     ranks, metrics, warnings, files = run.load(base)
     return LoadResult(
@@ -270,6 +271,7 @@ def _request(
         model_config=dict(model_config or {}) if model is not None else None,
         expert_parallel=config.expert_parallel,
         shared_copy=config.shared_copy,
+        versions=versions_read(source),
     )
 
 

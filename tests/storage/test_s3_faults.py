@@ -16,7 +16,9 @@ import torch
 
 from rayload.cli import main
 from rayload.errors import StorageError
+from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.rank import load_rank, reload_rank
+from rayload.loading.storage import expect_versions, versions_read
 from support.cli import assert_one_line_error
 from support.s3 import ACCESS_KEY, CANARY, ENDPOINT, S3Server
 
@@ -86,6 +88,30 @@ def test_reload_of_an_object_changed_mid_read_is_an_error_never_two_versions(
     reload_rank(url, 0, 2, tensors)
 
 
+def test_a_rank_given_the_drivers_versions_refuses_an_object_changed_since(
+    fresh: tuple[str, Path], s3: S3Server, proxy: Any
+) -> None:
+    """What a load request carries (the driver's ETags) and its ranks check: an object
+    rewritten between the driver's read and a rank's is an error naming it, never a rank
+    loading another version than the driver planned (and than the other ranks)."""
+    url, first = fresh
+    open_checkpoint(url)  # the driver
+    versions = versions_read(url)
+    changed = f"{url}/{first.name}"
+    assert changed in dict(versions) and f"{url}/config.json" in dict(versions)
+    bucket, _, key = changed.removeprefix("s3://").partition("/")
+    data = s3.client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    s3.client.put_object(Bucket=bucket, Key=key, Body=data[:-1] + bytes([data[-1] ^ 0xFF]))
+    try:
+        expect_versions(url, versions)  # the rank, from the request
+        with pytest.raises(StorageError, match="changed after the driver read it") as info:
+            load_rank(url, 0, 2)
+        assert changed in str(info.value) and dict(versions)[changed] in str(info.value)
+    finally:
+        expect_versions(url, ())
+    load_rank(url, 0, 2)  # without the driver's versions: the new one, whole
+
+
 def _cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "rayload.cli", *args],
@@ -137,3 +163,42 @@ def test_an_unreachable_endpoint_exits_2_within_the_timeout(tmp_path: Path) -> N
     result = _cli("inspect", "s3://models/index", AWS_ENDPOINT_URL=closed)
     assert_one_line_error(result, "cannot reach the S3 endpoint", closed)
     assert time.monotonic() - start < 60
+
+
+def test_a_blackholed_endpoint_exits_2_within_the_load_timeout(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A port whose accept queue is full drops new connections' SYNs (as a firewall
+    does): each attempt waits out its connect time-out; the load gives up at --timeout,
+    not after every attempt and back-off (about 30 s). In this process, so the time is
+    the load's, not the CLI's start-up."""
+    import socket
+
+    import boto3  # noqa: F401 (imported before the clock starts, as rayload.api is)
+
+    import rayload.api  # noqa: F401
+    from rayload.loading.storage import forget_s3_clients
+
+    timeout = 8
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        port = server.getsockname()[1]
+        fillers = []
+        for _ in range(4):  # fill the queue; never accepted
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+            fillers.append(filler)
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+        forget_s3_clients()
+        try:
+            start = time.monotonic()
+            result = _main(capsys, "load", "s3://models/index", "--tp", "2", "--timeout", "8")
+            elapsed = time.monotonic() - start
+        finally:
+            forget_s3_clients()
+            for filler in fillers:
+                filler.close()
+    assert_one_line_error(result, f"within the load's timeout ({timeout} s", "127.0.0.1")
+    assert elapsed <= timeout, elapsed

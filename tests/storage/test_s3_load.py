@@ -88,6 +88,25 @@ def test_one_tp_group_is_served_the_bytes_its_ranks_report(
     assert 1.0 <= ratio < 1.5
 
 
+def test_one_tp_group_of_the_converted_layout_is_served_the_checkpoint_once(
+    s3_checkpoints: dict[str, tuple[Path, str]], proxy: Any
+) -> None:
+    """The converted layout holds each rank's shards contiguously: a TP group's ranks
+    fetch exactly their bytes, no other rank's rows (the HF layout's split-1 rows are
+    fetched as runs, gaps included: see the test above)."""
+    original, _ = s3_checkpoints["index"]
+    local, url = s3_checkpoints["converted"]
+    proxy.clear()
+    reports = [load_rank(url, rank, 2, "auto")[1] for rank in range(2)]
+    assert all(r.method.effective.value == "converted" for r in reports)
+    served = proxy.served_bytes("models/converted/")
+    metadata = 2 * _metadata_bytes(local)
+    assert served - metadata == sum(r.bytes_read for r in reports)
+    ratio = (served - metadata) / open_checkpoint(original).tensor_bytes
+    print(f"one TP=2 group of the converted layout served {ratio:.4f}x the checkpoint")
+    assert 1.0 <= ratio <= 1.01
+
+
 def test_fastsafetensors_on_s3_falls_back_with_a_reason_or_fails_under_strict(
     s3_checkpoints: dict[str, tuple[Path, str]], proxy: Any
 ) -> None:
@@ -121,3 +140,22 @@ def test_s3_reads_are_traced_with_the_storage(
     assert read.attributes["rayload.storage.bucket"] == "models"
     as_json = report.to_dict()
     assert as_json["storage"] == "s3" and as_json["requests"] == report.requests
+
+
+def test_convert_from_s3_writes_the_local_conversion_and_its_side_files(
+    s3_checkpoints: dict[str, tuple[Path, str]], proxy: Any, tmp_path: Path
+) -> None:
+    """``convert`` with an ``s3://`` source: the same rank files as from the local copy
+    (byte for byte) and the side files (config.json) copied from the bucket."""
+    from rayload.loading.convert import convert_checkpoint
+
+    local, url = s3_checkpoints["index"]
+    from_s3 = convert_checkpoint(url, tmp_path / "from-s3", 2)
+    from_disk = convert_checkpoint(local, tmp_path / "from-disk", 2)
+    names = sorted(p.name for p in from_disk.iterdir())
+    assert "config.json" in names
+    assert sorted(p.name for p in from_s3.iterdir()) == names
+    for name in names:
+        assert (from_s3 / name).read_bytes() == (from_disk / name).read_bytes(), name
+    tensors, report = load_rank(from_s3, 1, 2, "auto")
+    assert report.method.effective.value == "converted" and tensors

@@ -29,7 +29,9 @@ class LoadRequest:
     where rank ``r`` gets its shards from (None, or no entry: storage), and
     ``peer_wait_s`` how long it may wait for a holder that is still loading;
     ``shared_copy`` makes each loaded rank keep a copy of its shards in its node's object
-    store for receivers on that node.
+    store for receivers on that node. ``versions`` are the (path, ETag) of the objects the
+    driver read (``s3://``; empty for files): a rank that finds another version fails
+    naming the object, so no two ranks load different versions.
     """
 
     path: str
@@ -49,6 +51,7 @@ class LoadRequest:
     peers: tuple[PeerRef | None, ...] = ()
     peer_wait_s: float = 600.0
     shared_copy: bool = False
+    versions: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,7 @@ from rayload.loading.model import ModelContext, build_and_fill, engine_phases
 from rayload.loading.probe import EnvProbe, probe_environment, read_chars
 from rayload.loading.rank import PostLoad, reload_rank
 from rayload.loading.report import PhaseTimer, RankReport
+from rayload.loading.storage import expect_versions
 from rayload.tracing.rank_spans import engine_spans_payload, rank_spans_payload, report_attributes
 
 _IMPORTS_END_NS = time.time_ns()
@@ -223,6 +224,7 @@ class RankActor:
                 self._process_group = join_process_group(
                     request.process_group, rank=self._rank, device=device, timer=timer
                 )
+            expect_versions(request.path, request.versions)
             self._tensors, report = load_rank(
                 request.path,
                 self._rank,
@@ -349,6 +351,7 @@ class RankActor:
         try:
             if self._report is None:
                 raise RuntimeError(f"rank {self._rank} has no loaded weights to reload into")
+            expect_versions(request.path, request.versions)
             report = reload_rank(
                 request.path,
                 self._rank,

@@ -43,6 +43,7 @@ from rayload.loading.reader.readplan import shard_segments
 from rayload.loading.reader.reads import read_segments
 from rayload.loading.reader.sinks import host_view
 from rayload.loading.rules import RulesArg, RuleSet, resolve_rules
+from rayload.loading.storage import storage_for
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ def _write_converted(
             "block_size": list(plan.block_size) if plan.block_size else None,
         }
     )
-    _copy_side_files(Path(checkpoint.root), out_dir)
+    _copy_side_files(checkpoint.root, out_dir)
     write_manifest(manifest, out_dir)
 
 
@@ -238,13 +239,21 @@ def _write(f: BinaryIO, data: memoryview, crc: Crc32) -> int:
     return len(data)
 
 
-def _copy_side_files(src_root: Path, out_dir: Path) -> None:
-    if not src_root.is_dir():
+def _copy_side_files(src_root: str, out_dir: Path) -> None:
+    """Copy the side files (:data:`_SIDE_FILES`) of ``src_root``, a local directory or an
+    ``s3://`` prefix, into ``out_dir``."""
+    storage = storage_for(src_root)
+    if not storage.is_dir(src_root):
         return
-    for entry in sorted(src_root.iterdir()):
-        side = any(fnmatch.fnmatch(entry.name, pattern) for pattern in _SIDE_FILES)
-        if side and entry.is_file() and entry.name != INDEX_NAME:
-            shutil.copy2(entry, out_dir / entry.name)
+    for name in storage.listdir(src_root):
+        path = storage.join(src_root, name)
+        side = any(fnmatch.fnmatch(name, pattern) for pattern in _SIDE_FILES)
+        if not side or name == INDEX_NAME or not storage.is_file(path):
+            continue
+        if storage.kind == "file":
+            shutil.copy2(path, out_dir / name)
+        else:
+            (out_dir / name).write_bytes(storage.read_all(path))
 
 
 def _remove_partial(out_dir: Path, created: bool) -> None:

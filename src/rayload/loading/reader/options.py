@@ -16,9 +16,10 @@ REMOTE_THREADS = 16
 class ReaderOptions:
     """How rayload's own reader (scratch, converted, convert) reads files.
 
-    Memory stays bounded by ``threads * chunk_bytes`` of reads in flight (plus a 1 MiB
-    bounce buffer per thread for closely strided split-1 rows and, on CUDA,
-    ``staging_buffers * chunk_bytes`` of pinned host memory), whatever the shard size.
+    Memory stays bounded by ``threads * chunk_bytes`` of reads in flight (plus a bounce
+    buffer per thread for closely strided split-1 rows, the storage's ``gather_bytes``:
+    1 MiB for files, 4 MiB for S3; and, on CUDA, ``staging_buffers * chunk_bytes`` of
+    pinned host memory), whatever the shard size.
     """
 
     threads: int | None = None

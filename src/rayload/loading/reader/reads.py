@@ -102,9 +102,7 @@ def _pread_all(fd: RangeSource, read: Read, views: list[memoryview]) -> int:
     [view] = views
     row, stride = read.row, read.stride
     gap, span_bytes = (
-        (GATHER_GAP, _GATHER_BYTES)
-        if isinstance(fd, int)
-        else (fd.gather_gap, min(fd.gather_bytes, _GATHER_BYTES))
+        (GATHER_GAP, _GATHER_BYTES) if isinstance(fd, int) else (fd.gather_gap, fd.gather_bytes)
     )
     per_span = span_bytes // stride if stride - row < gap else 0
     if per_span < 2:
@@ -112,7 +110,7 @@ def _pread_all(fd: RangeSource, read: Read, views: list[memoryview]) -> int:
             _pread_exact(fd, read, read.offset + i * stride, [view[pos : pos + row]], row)
         return read.length
     rows = read.length // row
-    bounce = _bounce_buffer()
+    bounce = _bounce_buffer(span_bytes)
     dst = np.frombuffer(view, dtype=np.uint8).reshape(rows, row)
     total = 0
     for first in range(0, rows, per_span):
@@ -133,11 +131,12 @@ _GATHER_BYTES = 1 << 20
 _local = threading.local()
 
 
-def _bounce_buffer() -> np.ndarray:
-    """This reader thread's ``_GATHER_BYTES`` bounce buffer for gathered rows."""
+def _bounce_buffer(nbytes: int) -> np.ndarray:
+    """This reader thread's bounce buffer for gathered rows, of at least ``nbytes`` (the
+    storage's ``gather_bytes``)."""
     buffer = getattr(_local, "bounce", None)
-    if buffer is None:
-        buffer = _local.bounce = np.empty(_GATHER_BYTES, dtype=np.uint8)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = _local.bounce = np.empty(nbytes, dtype=np.uint8)
     return buffer
 
 

@@ -7,13 +7,38 @@ data whatever the storage.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 StorageKind = Literal["file", "s3"]
 
 S3_SCHEME = "s3://"
+
+
+_deadline: tuple[float, float] | None = None
+
+
+@contextmanager
+def storage_deadline(timeout_s: float) -> Iterator[None]:
+    """Within this block no storage request of this process (any thread) starts, nor
+    retries, past ``timeout_s`` seconds from now: a load's ``--timeout`` bounds an
+    endpoint that does not answer."""
+    global _deadline
+    previous, _deadline = _deadline, (time.monotonic() + timeout_s, timeout_s)
+    try:
+        yield
+    finally:
+        _deadline = previous
+
+
+def current_deadline() -> tuple[float, float] | None:
+    """The innermost :func:`storage_deadline`: (its ``time.monotonic()`` end, its
+    seconds), or None."""
+    return _deadline
 
 
 def is_remote(path: str) -> bool:
@@ -91,3 +116,14 @@ class Storage(ABC):
     @abstractmethod
     def attributes(self) -> dict[str, Any]:
         """Span attributes describing it (``rayload.storage`` ...); never a credential."""
+
+    def versions(self, root: str) -> dict[str, str]:
+        """The version (an ETag) of each file under ``root`` read so far in this process:
+        what the driver hands its ranks. A storage that cannot tell versions apart: none."""
+        return {}
+
+    def expect(self, versions: Mapping[str, str]) -> None:
+        """From now on, a file of ``versions`` (path -> version, the driver's) seen at
+        another version is an error naming it: every rank reads what the driver read.
+        Replaces the previous expectation. A storage without versions: nothing to check."""
+        del versions

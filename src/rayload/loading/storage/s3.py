@@ -15,9 +15,12 @@ Reads:
   object that changed is a :class:`~rayload.errors.StorageError` naming the key, never
   bytes of two versions; a new :func:`open_checkpoint` (a reload) pins afresh.
 * throttling (503 SlowDown), other 5xx and connection errors before the body are
-  retried by botocore (standard mode: exponential backoff with jitter); a body cut
-  short (reset, short read, time-out) is resumed from the first missing byte, with
-  backoff and jitter, at most :data:`BODY_RETRIES` times. Both are counted.
+  retried (exponential backoff with full jitter, at most :data:`_API_ATTEMPTS`
+  attempts); a body cut short (reset, short read, time-out) is resumed from the first
+  missing byte, with backoff and jitter, at most :data:`BODY_RETRIES` times. Both are
+  counted. No attempt starts, and no back-off sleeps, past the deadline of the load
+  (:func:`~rayload.loading.storage.storage_deadline`, from ``--timeout``): an endpoint
+  that does not answer is an error within the load's timeout.
 * a server that ignores ``Range`` and answers 200 with the whole object is refused
   before its body is read (nothing buffered).
 
@@ -31,11 +34,18 @@ import os
 import random
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from rayload.errors import ConfigError, StorageError
-from rayload.loading.storage.base import S3_SCHEME, Storage, StorageCounters, StorageKind
+from rayload.loading.storage.base import (
+    S3_SCHEME,
+    Storage,
+    StorageCounters,
+    StorageKind,
+    current_deadline,
+)
 
 BODY_RETRIES = 5
 """Resumptions of one ranged GET whose body was cut short."""
@@ -43,8 +53,23 @@ _MAX_POOL = 64
 _CONNECT_TIMEOUT_S = 3.0
 _READ_TIMEOUT_S = 30.0
 _API_ATTEMPTS = 6
-"""botocore's attempts per request (standard retry mode: backoff with jitter, at most
-20 s between attempts)."""
+"""Attempts per request (botocore's own retries are off: these are bounded by the
+load's deadline)."""
+_MAX_BACKOFF_S = 20.0
+_RETRYABLE = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+        "500",
+        "502",
+        "503",
+        "504",
+    }
+)
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -65,8 +90,14 @@ class S3Storage(Storage):
     kind: ClassVar[StorageKind] = "s3"
     gather_gap: ClassVar[int] = 64 << 10
     """A request costs about as much as this many bytes: closer rows are fetched as one
-    run (the gaps are other ranks' bytes, which the server then serves twice)."""
-    gather_bytes: ClassVar[int] = 1 << 20
+    run (the gaps are other ranks' bytes, which the server then serves again). Measured
+    (docs/design.md "Object storage"): one TP=2 group fetching its split-1 rows exactly
+    is served 1.000x the checkpoint but makes 54x the requests and takes 29x as long as
+    fetching runs (1.26x); the converted layout is served 1.00x with large reads."""
+    gather_bytes: ClassVar[int] = 4 << 20
+    """The longest run, one GET (a 4 MiB bounce buffer per reader thread): 1.7x faster
+    than 1 MiB runs for the same bytes, since a strided read's runs follow one another
+    on one thread."""
 
     def __init__(self, bucket: str) -> None:
         self.bucket = bucket
@@ -75,6 +106,7 @@ class S3Storage(Storage):
         self._endpoint = ""
         self._credential_source = ""
         self._pinned: dict[str, tuple[int, str]] = {}  # key -> (size, ETag)
+        self._expected: dict[str, str] = {}  # key -> the driver's ETag
         self._listed: set[str] = set()  # prefixes listed (a key absent from them is absent)
         self._requests = self._retries = self._bytes = 0
 
@@ -206,9 +238,7 @@ class S3Storage(Storage):
                     "try again",
                     url=path,
                 )
-            with self._lock:
-                self._retries += 1
-            time.sleep(random.uniform(0, min(2.0, 0.05 * 2**resumed)))
+            self._back_off(path, resumed, problem)
 
     def _check_range(self, path: str, response: dict[str, Any], start: int, end: int) -> None:
         status = response["ResponseMetadata"]["HTTPStatusCode"]
@@ -236,8 +266,30 @@ class S3Storage(Storage):
         return key
 
     def _pin(self, key: str, size: int, etag: str) -> None:
+        expected = self._expected.get(key)
+        if expected is not None and expected != etag:
+            raise StorageError(
+                f"s3://{self.bucket}/{key}: the object changed after the driver read it (its "
+                f"ETag was {expected}, now {etag}; {self._endpoint}); refusing to load two "
+                "versions across ranks: load again once the upload has finished",
+                url=f"s3://{self.bucket}/{key}",
+            )
         with self._lock:
             self._pinned[key] = (size, etag)
+
+    def versions(self, root: str) -> dict[str, str]:
+        prefix = self._key(root)
+        with self._lock:
+            return {
+                f"s3://{self.bucket}/{key}": etag
+                for key, (_, etag) in self._pinned.items()
+                if key == prefix or key.startswith(prefix + "/")
+            }
+
+    def expect(self, versions: Mapping[str, str]) -> None:
+        expected = {self._key(path): etag for path, etag in versions.items()}
+        with self._lock:
+            self._expected = expected
 
     def repin(self, root: str) -> None:
         """Forget the versions and listings under ``root``: the next reads pin the objects
@@ -255,37 +307,67 @@ class S3Storage(Storage):
             return self._client
 
     def _call(self, path: str, fn: Any, **kwargs: Any) -> Any:
+        """``fn(**kwargs)``, retried on throttling, 5xx and connection errors; its errors
+        translated into StorageErrors naming ``path``."""
         import botocore.exceptions as bex
 
-        try:
-            response = fn(**kwargs)
-        except bex.ClientError as exc:
-            self._count(exc.response)
-            raise self._translate(path, exc.response) from None
-        except (bex.EndpointConnectionError, bex.ConnectTimeoutError) as exc:
-            self._count(None)
-            raise StorageError(
-                f"{path}: cannot reach the S3 endpoint {self._endpoint} ({type(exc).__name__}); "
-                "check AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 and the network",
-                url=path,
-            ) from None
-        except (bex.ReadTimeoutError, bex.ConnectionClosedError) as exc:
-            self._count(None)
-            raise StorageError(
-                f"{path}: {self._endpoint} stopped answering ({type(exc).__name__}) after "
-                f"{_API_ATTEMPTS} attempts; try again",
-                url=path,
-            ) from None
-        except bex.NoCredentialsError:
-            raise StorageError(f"{path}: no AWS credentials found", url=path) from None
-        self._count(response)
-        return response
+        unreachable = (bex.EndpointConnectionError, bex.ConnectTimeoutError)
+        for attempt in range(1, _API_ATTEMPTS + 1):
+            if attempt > 1:
+                self._back_off(path, attempt - 1, "")
+            else:
+                self._check_deadline(path, "")
+            with self._lock:
+                self._requests += 1
+            try:
+                return fn(**kwargs)
+            except bex.ClientError as exc:
+                code = str((exc.response.get("Error") or {}).get("Code", ""))
+                if code not in _RETRYABLE or attempt == _API_ATTEMPTS:
+                    raise self._translate(path, exc.response) from None
+            except unreachable as exc:
+                if attempt == _API_ATTEMPTS:
+                    raise StorageError(
+                        f"{path}: cannot reach the S3 endpoint {self._endpoint} "
+                        f"({type(exc).__name__}, {attempt} attempts); check AWS_ENDPOINT_URL / "
+                        "AWS_ENDPOINT_URL_S3 and the network",
+                        url=path,
+                    ) from None
+            except (bex.ReadTimeoutError, bex.ConnectionClosedError) as exc:
+                if attempt == _API_ATTEMPTS:
+                    raise StorageError(
+                        f"{path}: {self._endpoint} stopped answering ({type(exc).__name__}) "
+                        f"after {attempt} attempts; try again",
+                        url=path,
+                    ) from None
+            except bex.NoCredentialsError:
+                raise StorageError(f"{path}: no AWS credentials found", url=path) from None
+        raise AssertionError("unreachable")
 
-    def _count(self, response: dict[str, Any] | None) -> None:
-        retries = int(((response or {}).get("ResponseMetadata") or {}).get("RetryAttempts", 0))
+    def _back_off(self, path: str, retry: int, problem: str) -> None:
+        """Count retry number ``retry`` and sleep before it (full jitter), never past the
+        load's deadline."""
         with self._lock:
-            self._requests += 1 + retries
-            self._retries += retries
+            self._retries += 1
+        pause = random.uniform(0, min(_MAX_BACKOFF_S, 0.05 * 2**retry))
+        deadline = current_deadline()
+        if deadline is not None:
+            pause = min(pause, max(0.0, deadline[0] - time.monotonic()))
+        time.sleep(pause)
+        self._check_deadline(path, problem)
+
+    def _check_deadline(self, path: str, problem: str) -> None:
+        """StorageError when the load's deadline leaves no time for another attempt (a
+        connection may take ``_CONNECT_TIMEOUT_S``)."""
+        deadline = current_deadline()
+        if deadline is None or deadline[0] - time.monotonic() > _CONNECT_TIMEOUT_S:
+            return
+        raise StorageError(
+            f"{path}: no answer from the S3 endpoint {self._endpoint} within the load's "
+            f"timeout ({deadline[1]:g} s{'; ' + problem if problem else ''}); check "
+            "AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 and the network, or raise --timeout",
+            url=path,
+        )
 
     def _translate(self, path: str, response: dict[str, Any]) -> StorageError:
         error = response.get("Error") or {}
@@ -396,7 +478,7 @@ def _make_client() -> tuple[Any, str, str]:
         max_pool_connections=_MAX_POOL,
         connect_timeout=_CONNECT_TIMEOUT_S,
         read_timeout=_READ_TIMEOUT_S,
-        retries={"mode": "standard", "max_attempts": _API_ATTEMPTS},
+        retries={"mode": "standard", "total_max_attempts": 1},  # ours: S3Storage._call
         s3={"addressing_style": style},
         tcp_keepalive=True,
         signature_version=UNSIGNED if credentials is None else None,

@@ -1,0 +1,276 @@
+"""Loading a TP=4 checkpoint from S3, side by side in one run (issue #21 step 9), against
+one S3 server: moto on 127.0.0.1 behind the tests' counting proxy (tests/support/s3.py),
+which counts the bytes it serves. Interleaved: each round runs every case once.
+
+    PYTHONPATH=src:tests python benchmarks/s3_load.py [--layers 4] [--rounds 2]
+
+Cases (one fresh spawned process per rank, all released at once by a barrier; a case's
+time is from the release until the last rank has its shards):
+
+* ``rayload``: each rank runs :func:`rayload.load_rank` on the ``s3://`` checkpoint
+  (the rank's own byte ranges as ranged GETs, straight into its tensors);
+* ``rayload-converted``: the same from the checkpoint converted for TP=4;
+* ``runai``: Run:ai Model Streamer (``runai-model-streamer`` and
+  ``runai-model-streamer-s3``, the path behind vLLM's ``runai_streamer``), each rank
+  streaming every file and keeping its shard of each tensor (vLLM's non-distributed
+  mode);
+* ``download``: each rank downloads the files with boto3 (s3transfer) into a temporary
+  directory, then ``safe_open`` s them and takes its shard of each tensor;
+* ``limit``: the server's limit: each rank fetches a quarter of the files' bytes as raw
+  ranged GETs of 4 MiB, 16 in flight, with the same client (boto3), building no tensor.
+
+Reported per case: the time, the bytes the proxy served (over the checkpoint's), the
+peak RSS of the ranks (each process's ``VmHWM``, and above its RSS at the barrier).
+Then, on a local Ray cluster, 4 TP=2 replicas with peers (``auto``) against without
+(``scratch``): time of ``rayload.load`` and bytes served.
+
+moto copies the whole object on every GET (``FakeKey.value``), so a request costs time in
+proportion to its object's size: the checkpoint's files are kept small (one file per few
+tensors) so that the server measures requests and bytes, not moto's copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+TP = 4
+_LIMIT_GET = 4 << 20
+CASES = ("rayload", "rayload-converted", "runai", "download", "limit")
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+
+def _hwm_mb() -> float:
+    """This process's peak RSS (``VmHWM``: since its exec, unlike ``ru_maxrss``, which a
+    spawned child inherits from the parent it was forked from)."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1e3
+
+
+def _rank_main(case: str, url: str, rank: int, barrier: Any, out: Any) -> None:
+    os.environ["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] = "0"
+    run = _prepare(case, url, rank)
+    base = _rss_mb()
+    barrier.wait()
+    start = time.time()
+    nbytes = run()
+    end = time.time()
+    peak = _hwm_mb()
+    out.put((rank, start, end, peak, base, nbytes))
+
+
+def _prepare(case: str, url: str, rank: int) -> Callable[[], int]:
+    """Import and set up what ``case`` needs (before the clock starts); the returned
+    function loads rank ``rank``'s shards and returns their bytes."""
+    import torch
+
+    torch.set_num_threads(1)
+    from rayload.loading import load_rank, open_checkpoint, plan_shards
+
+    if case in ("rayload", "rayload-converted"):
+        from rayload.loading.storage import storage_for
+
+        storage_for(url).attributes()  # boto3 imported, its client made (as the others')
+
+        def rayload_rank() -> int:
+            tensors, _ = load_rank(url, rank, TP, "auto")
+            return sum(t.numel() * t.element_size() for t in tensors.values())
+
+        return rayload_rank
+    checkpoint = open_checkpoint(url)  # headers (not timed: every case needs the plan)
+    shards = {s.name: s for s in plan_shards(checkpoint, TP).ranks[rank].shards}
+    if case == "runai":
+        from runai_model_streamer import SafetensorsStreamer
+
+        def runai_rank() -> int:
+            out = {}
+            with SafetensorsStreamer() as streamer:
+                streamer.stream_files(list(checkpoint.files), owned=False)
+                for name, tensor in streamer.get_tensors():
+                    out[name] = _shard_of(tensor, shards[name])
+            return sum(t.numel() * t.element_size() for t in out.values())
+
+        return runai_rank
+    import boto3
+
+    client = boto3.client("s3")
+    if case == "download":
+        from safetensors import safe_open
+
+        def download_rank() -> int:
+            out = {}
+            with tempfile.TemporaryDirectory() as tmp:
+                for f in checkpoint.files:
+                    bucket, _, key = f.removeprefix("s3://").partition("/")
+                    local = os.path.join(tmp, key.rpartition("/")[2])
+                    client.download_file(bucket, key, local)
+                    with safe_open(local, "pt") as st:
+                        for name in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                            out[name] = _shard_of(st.get_tensor(name), shards[name])
+            return sum(t.numel() * t.element_size() for t in out.values())
+
+        return download_rank
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rayload.loading.storage import storage_for
+
+    sizes = [(f, storage_for(f).size(f)) for f in checkpoint.files]
+    total = sum(n for _, n in sizes)
+    first, last = total * rank // TP, total * (rank + 1) // TP
+    ranges, pos = [], 0
+    for f, n in sizes:  # this rank's quarter of the concatenated files, in 4 MiB GETs
+        lo, hi = max(first, pos), min(last, pos + n)
+        for a in range(lo, hi, _LIMIT_GET):
+            ranges.append((f, a - pos, min(hi, a + _LIMIT_GET) - pos))
+        pos += n
+
+    def get(item: tuple[str, int, int]) -> int:
+        f, a, b = item
+        bucket, _, key = f.removeprefix("s3://").partition("/")
+        body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={a}-{b - 1}")["Body"]
+        buffer = bytearray(b - a)
+        view, got = memoryview(buffer), 0
+        while got < len(buffer):
+            n = body.readinto(view[got:])
+            if not n:
+                break
+            got += n
+        return got
+
+    def limit_rank() -> int:
+        with ThreadPoolExecutor(16) as pool:
+            return sum(pool.map(get, ranges))
+
+    return limit_rank
+
+
+def _shard_of(tensor: Any, shard: Any) -> Any:
+    """Rank's part of a full tensor (as a vLLM weight loader copies it), own memory."""
+    import torch
+
+    if shard.split is None or not shard.pieces:
+        return tensor.clone()
+    parts = [tensor.narrow(shard.split, start, length) for start, length in shard.pieces]
+    return torch.cat(parts, dim=shard.split).contiguous().clone()
+
+
+def _run_case(case: str, url: str, proxy: Any) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(TP + 1), ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(case, url, r, barrier, out)) for r in range(TP)]
+    for p in procs:
+        p.start()
+    barrier.wait(timeout=600)
+    proxy.clear()  # the setup's reads (headers, for the baselines' plan) are not counted
+    results = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    served = proxy.served_bytes(url.removeprefix("s3://") + "/")
+    start = min(r[1] for r in results)
+    return {
+        "seconds": max(r[2] for r in results) - start,
+        "served": served,
+        "peak_rss_mb": max(r[3] for r in results),
+        "peak_above_start_mb": max(r[3] - r[4] for r in results),
+        "shard_mb": max(r[5] for r in results) / 1e6,
+    }
+
+
+def _replicas(url: str, proxy: Any, rounds: int) -> dict[str, list[tuple[float, int]]]:
+    import ray
+
+    import rayload
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    try:
+        times: dict[str, list[tuple[float, int]]] = {"auto": [], "scratch": []}
+        for _ in range(rounds):
+            for method in times:
+                proxy.clear()
+                t = time.perf_counter()
+                with rayload.load(url, 2, device="cpu", replicas=4, method=method, timeout=600):
+                    elapsed = time.perf_counter() - t
+                times[method].append((elapsed, proxy.served_bytes(url.removeprefix("s3://"))))
+        return times
+    finally:
+        ray.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--files", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--no-replicas", action="store_true")
+    args = parser.parse_args()
+
+    from rayload.loading import open_checkpoint, synthetic
+    from rayload.loading.convert import convert_checkpoint
+    from support.s3 import s3_server
+
+    # Llama's layout at a width whose split-1 rows are 0.5-2 KiB per rank at TP=4.
+    synthetic.PRESETS["bench-s3"] = synthetic.LlamaShape(4096, 1024, 4096, args.layers, 8, 4, False)
+    s3 = s3_server()
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = synthetic.write_checkpoint(
+            Path(tmp) / "hf", preset="bench-s3", num_files=min(args.files, 9 * args.layers + 3)
+        )
+        converted = convert_checkpoint(hf, Path(tmp) / "tp4", TP, part_bytes=8 << 20)
+        size, files = open_checkpoint(hf).tensor_bytes, len(open_checkpoint(hf).files)
+        urls = {"hf": s3.upload(hf, "bench", "hf"), "tp4": s3.upload(converted, "bench", "tp4")}
+    print(f"checkpoint: {size / 1e6:.0f} MB of tensors, {files} files; TP={TP}")
+    rows: dict[str, list[dict[str, float]]] = {c: [] for c in CASES}
+    for rnd in range(args.rounds):
+        for case in CASES:
+            url = urls["tp4" if case == "rayload-converted" else "hf"]
+            r = _run_case(case, url, s3.proxy)
+            rows[case].append(r)
+            print(
+                f"round {rnd} {case:18s} {r['seconds']:6.2f} s  served "
+                f"{r['served'] / size:.3f}x  peak RSS {r['peak_rss_mb']:.0f} MB "
+                f"(+{r['peak_above_start_mb']:.0f} MB, shard {r['shard_mb']:.0f} MB)",
+                flush=True,
+            )
+    med = {c: statistics.median(r["seconds"] for r in rows[c]) for c in CASES}
+    print("\n| case | time (median) | served / checkpoint | peak RSS per rank (above start) |")
+    print("|---|---|---|---|")
+    for c in CASES:
+        last = rows[c][-1]
+        print(
+            f"| {c} | {med[c]:.2f} s | {last['served'] / size:.3f}x | "
+            f"{max(r['peak_rss_mb'] for r in rows[c]):.0f} MB "
+            f"(+{max(r['peak_above_start_mb'] for r in rows[c]):.0f} MB) |"
+        )
+    print(
+        f"\nratios: runai / rayload {med['runai'] / med['rayload']:.2f}x (target >= 1.5), "
+        f"download / rayload {med['download'] / med['rayload']:.2f}x (target >= 2), "
+        f"rayload / limit {med['rayload'] / med['limit']:.2f}x (target <= 1.2), "
+        f"rayload-converted / limit {med['rayload-converted'] / med['limit']:.2f}x"
+    )
+    if not args.no_replicas:
+        times = _replicas(urls["hf"], s3.proxy, args.rounds)
+        auto = statistics.median(t for t, _ in times["auto"])
+        scratch = statistics.median(t for t, _ in times["scratch"])
+        print(
+            f"4 TP=2 replicas: with peers {auto:.2f} s, served "
+            f"{times['auto'][-1][1] / size:.3f}x; without {scratch:.2f} s, served "
+            f"{times['scratch'][-1][1] / size:.3f}x; without / with {scratch / auto:.2f}x "
+            "(target >= 2)"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
