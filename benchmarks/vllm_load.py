@@ -36,6 +36,8 @@ FORMATS = ("rayload", "auto", "fastsafetensors", "dummy")
 RESULT = "VLLM-BENCH-RESULT "
 _WORKER = r"\((?:Worker_TP(?P<rank>\d+)|MainProcess|EngineCore\S*) pid=\d+\)"
 LOADING_WEIGHTS = re.compile(_WORKER + r".*Loading weights took (?P<s>[\d.]+) seconds")
+_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+"""1 GiB of KV cache; ``collective_rpc`` may send the probe (a function) to the workers."""
 MODEL_LOADING = re.compile(_WORKER + r".*Model loading took .*? and (?P<s>[\d.]+) seconds")
 
 
@@ -111,7 +113,7 @@ def _sample(checkpoint: Path, tp: int, fmt: str) -> dict[str, Any]:
         capture_output=True,
         text=True,
         check=False,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **_bind(tp)},
+        env={**os.environ, **_ENV, **_bind(tp)},
     )
     log = out.stdout + out.stderr
     results = [line[len(RESULT) :] for line in log.splitlines() if line.startswith(RESULT)]
