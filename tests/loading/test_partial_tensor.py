@@ -36,7 +36,7 @@ def test_narrow_outside_the_shard_is_an_error_naming_the_tensor() -> None:
 
 
 def test_any_other_use_is_an_error() -> None:
-    with pytest.raises(ShardingError, match="it called .*add"):
+    with pytest.raises(ShardingError, match=r"it called .*add"):
         _rank1_of_2(0) + 1
 
 
