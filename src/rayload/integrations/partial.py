@@ -8,8 +8,9 @@ part (``loaded_weight.narrow(dim, start, size)``) and copies into the parameter,
 loaders a :class:`PartialTensor` keeps that layout logic the engine's own while only the
 rank's bytes were read: the tensor has the full shape and dtype (on the ``meta`` device,
 so it holds no memory), and ``narrow`` answers with the rank's real bytes when the range
-asked for lies inside what rayload read. Any other use of the tensor, or a range outside
-the rank's shard, is a :class:`~rayload.errors.ShardingError` naming the tensor: the
+asked for lies inside what rayload read (``unsqueeze``, and ``unbind`` off the split
+dimension, give partial tensors of the same runs). Any other use of the tensor, or a range
+outside the rank's shard, is a :class:`~rayload.errors.ShardingError` naming the tensor: the
 engine's layout and rayload's plan disagree, and nothing is ever filled from bytes that
 were not read.
 """
@@ -46,6 +47,10 @@ _METADATA: frozenset[Callable[..., Any]] = frozenset(
 )
 """What a loader may ask of a partial tensor without its bytes."""
 _NARROW: frozenset[Callable[..., Any]] = frozenset({torch.Tensor.narrow, torch.narrow})
+_UNSQUEEZE: frozenset[Callable[..., Any]] = frozenset({torch.Tensor.unsqueeze, torch.unsqueeze})
+_UNBIND: frozenset[Callable[..., Any]] = frozenset({torch.Tensor.unbind, torch.unbind})
+"""Views that move no byte across the split dimension: vLLM's fused-MoE loader turns one
+expert's weight into a stack of one (``unsqueeze(0)``) and takes it apart (``unbind()``)."""
 
 
 class PartialTensor(torch.Tensor):
@@ -91,8 +96,13 @@ class PartialTensor(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         partial = next(a for a in args if isinstance(a, PartialTensor))
-        if func in _NARROW and args and args[0] is partial:
-            return partial._narrow(*args[1:], **kwargs)
+        if args and args[0] is partial:
+            if func in _NARROW:
+                return partial._narrow(*args[1:], **kwargs)
+            if func in _UNSQUEEZE:
+                return partial._unsqueeze(*args[1:], **kwargs)
+            if func in _UNBIND:
+                return partial._unbind(*args[1:], **kwargs)
         raise partial._refusal(f"it called {getattr(func, '__name__', func)} on it")
 
     def _narrow(self, dim: int, start: int | torch.Tensor, length: int) -> torch.Tensor:
@@ -114,6 +124,34 @@ class PartialTensor(torch.Tensor):
             if lo < hi:
                 pieces.append((lo - start, data.narrow(dim, lo - s, hi - lo)))
         return self._rebuilt(shape, tuple(pieces), asked=(start, length))
+
+    def _unsqueeze(self, dim: int) -> PartialTensor:
+        """The same runs with a new dimension of size 1 at ``dim``."""
+        dim = dim % (self.dim() + 1)
+        shape = list(self.shape)
+        shape.insert(dim, 1)
+        split = self._split + (dim <= self._split)
+        runs = tuple((s, data.unsqueeze(dim)) for s, data in self._runs)
+        return PartialTensor(self._name, shape, self.dtype, split, runs, rank=self._rank)
+
+    def _unbind(self, dim: int = 0) -> tuple[torch.Tensor, ...]:
+        """One partial tensor per index of ``dim``, which must not be the split one."""
+        dim = dim % self.dim()
+        if dim == self._split:
+            raise self._refusal(f"it called unbind on dimension {dim}, the split one")
+        shape = [n for d, n in enumerate(self.shape) if d != dim]
+        split = self._split - (dim < self._split)
+        return tuple(
+            PartialTensor(
+                self._name,
+                shape,
+                self.dtype,
+                split,
+                tuple((s, data.select(dim, i)) for s, data in self._runs),
+                rank=self._rank,
+            )
+            for i in range(self.shape[dim])
+        )
 
     def _rebuilt(
         self, shape: list[int], runs: tuple[Run, ...], asked: tuple[int, int] | None = None

