@@ -38,7 +38,7 @@ from starlette.responses import PlainTextResponse
 import rayload
 from rayload.loading import write_checkpoint
 from rayload.models import build_model
-from rayload.serve import TPReplica, application
+from rayload.serve import TPReplica, application, parse_token_ids
 
 if TYPE_CHECKING:
     from rayload.api import RankState
@@ -54,20 +54,6 @@ def next_token_top5(state: RankState, token_ids: list[int]) -> list[int]:
     with torch.inference_mode():
         logits = state.model(torch.tensor([token_ids], device=state.device))
     return logits[0, -1].topk(5).indices.tolist()
-
-
-def parse_token_ids(body: bytes, vocab: int) -> list[int]:
-    """The ``token_ids`` of a request body; ValueError with a one-line reason otherwise."""
-    try:
-        request = json.loads(body)
-    except ValueError:
-        raise ValueError('the body is not JSON; send {"token_ids": [1, 2, 3]}') from None
-    ids = request.get("token_ids") if isinstance(request, dict) else None
-    if not isinstance(ids, list) or not ids:
-        raise ValueError('send a JSON object {"token_ids": [...]} with at least one id')
-    if not all(type(i) is int and 0 <= i < vocab for i in ids):
-        raise ValueError(f"token_ids must be integers in [0, {vocab})")
-    return ids
 
 
 class TPModel(TPReplica):

