@@ -292,6 +292,25 @@ class LoadConfig(BaseModel):
         return LoadConfig.of(self, **changes)
 
 
+_TRUE, _FALSE = {"true", "yes", "1"}, {"false", "no", "0"}
+
+
+def typed_text(name: str, value: object) -> object:
+    """Field ``name``'s value from text (a ``key=value`` argument): an int, float or bool
+    field's text as that type when it reads as one; anything else as it is, for the
+    field's check to accept or name."""
+    annotation = LoadConfig.model_fields[name].annotation
+    if not isinstance(value, str) or annotation not in (int, float, bool):
+        return value
+    if annotation is bool:
+        lowered = value.strip().lower()
+        return True if lowered in _TRUE else False if lowered in _FALSE else value
+    try:
+        return annotation(value)
+    except ValueError:
+        return value
+
+
 def _check(check: Callable[[Any], Any], value: object) -> Any:
     """``check(value)``, its ConfigError as the pydantic error whose message is the
     ConfigError's (so :func:`validation_message` shows exactly that)."""
@@ -302,29 +321,34 @@ def _check(check: Callable[[Any], Any], value: object) -> Any:
 
 
 def validation_message(
-    exc: ValidationError, *, source: str | None = None, fields: Iterable[str] = ()
+    exc: ValidationError,
+    *,
+    source: str | None = None,
+    fields: Iterable[str] = (),
+    model: type[BaseModel] = LoadConfig,
 ) -> str:
     """One line for every error of ``exc``: rayload's own messages as they are, pydantic's
     as ``field: reason``; with ``source`` (a file's name) that name before each, except for
-    the ``fields`` that did not come from it."""
+    the ``fields`` that did not come from it. ``model``: the model validated, whose options
+    an unknown top-level key is told (a nested one is a LoadConfig's)."""
     from_elsewhere = set(fields)
     parts = []
     for error in exc.errors():
         field = ".".join(str(part) for part in error["loc"]) or "config"
-        message = _error_message(field, error)
+        message = _error_message(field, error, model if len(error["loc"]) == 1 else LoadConfig)
         if source is not None and field.split(".")[0] not in from_elsewhere:
             message = f"{source}: {message}"
         parts.append(message)
     return "; ".join(parts)
 
 
-def _error_message(field: str, error: ErrorDetails) -> str:
+def _error_message(field: str, error: ErrorDetails, model: type[BaseModel]) -> str:
     if error["type"] == ERROR_TYPE:
         return error["msg"]
     if error["type"] == "missing":
         return f"{field} is required"
     if error["type"] == "extra_forbidden":
-        known = ", ".join(LoadConfig.model_fields)
+        known = ", ".join(model.model_fields)
         return f"{field}: no such option (the options are: {known})"
     return f"{field}: {error['msg']}"
 

@@ -11,8 +11,8 @@ needs, so a deployment's own code is its model's.
   it before the weights are resident), answers ``GET`` and the handle method
   ``load_report`` with what its load did, and closes the load when the replica goes;
 - :func:`application`: ``serve run``/``serve deploy``'s builder body: the args checked
-  (bad ones are one :class:`~ray.serve.exceptions.RayServeException` line, Serve's deploy
-  error, before any replica or rank actor starts), the deployment sized and bound.
+  (bad ones are one :class:`ServeArgsError` line, Serve's deploy error, or ``serve run``'s
+  exit 2, before any replica or rank actor starts), the deployment sized and bound.
 
 ::
 
@@ -30,11 +30,12 @@ import json
 from collections.abc import Mapping
 from typing import Annotated, Any
 
+import click
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 from ray.serve.exceptions import RayServeException
 
-from rayload.config import LoadConfig, validation_message
+from rayload.config import LoadConfig, typed_text, validation_message
 from rayload.errors import ConfigError
 from rayload.loading.model import ModelFactory
 from rayload.placement import rank_bundles
@@ -77,13 +78,55 @@ class ServeArgs(BaseModel):
 
     @classmethod
     def of(cls, args: ServeArgs | Mapping[str, Any]) -> ServeArgs:
-        """``args`` checked; one :class:`ConfigError` line for every bad value."""
+        """``args`` checked; one :class:`ConfigError` line for every bad value. A dotted
+        key is a nested one (``load.tp_size=2``: what ``serve run module:app key=value``
+        can pass); a LoadConfig field's text there reads as its type
+        (:func:`~rayload.config.typed_text`)."""
         if isinstance(args, ServeArgs):
             return args
+        misplaced = [k for k in args if k in LoadConfig.model_fields and k not in cls.model_fields]
+        if misplaced:
+            raise ConfigError(
+                f"rayload Serve args: {misplaced[0]} is an option of the load: give it as "
+                f"load.{misplaced[0]} (or under load: in a config file)"
+            )
         try:
-            return cls.model_validate(args)
+            return cls.model_validate(_nest_dotted(args))
         except ValidationError as exc:
-            raise ConfigError(f"rayload Serve args: {validation_message(exc)}") from None
+            message = validation_message(exc, model=cls)
+            raise ConfigError(f"rayload Serve args: {message}") from None
+
+
+class ServeArgsError(RayServeException, click.UsageError):
+    """Bad Serve args, understood where the builder runs: Serve's controller
+    (``serve deploy``, a config's ``serve run``) shows a :class:`RayServeException` as the
+    application's one-line deploy error; Serve's command line (``serve run module:app
+    key=value``, where the builder runs inside its click command) prints a click usage
+    error as ``Error: ...`` and exits 2, without a traceback."""
+
+    def __init__(self, message: str) -> None:
+        click.UsageError.__init__(self, message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _nest_dotted(args: Mapping[str, Any]) -> dict[str, Any]:
+    """``args`` with each dotted key (``load.path``) moved into its nested mapping."""
+    nested: dict[str, Any] = {}
+    for key, value in args.items():
+        *parents, leaf = str(key).split(".")
+        if parents == ["load"] and leaf in LoadConfig.model_fields:
+            value = typed_text(leaf, value)
+        target = nested
+        for parent in parents:
+            inner = target.get(parent)
+            if isinstance(inner, BaseModel):
+                inner = inner.model_dump(exclude_unset=True)
+            target[parent] = inner = dict(inner) if isinstance(inner, Mapping) else {}
+            target = inner
+        target[leaf] = value
+    return nested
 
 
 def replica_bundles(
@@ -179,13 +222,13 @@ def application(
 ) -> Any:
     """The Serve application of deployment class ``cls`` for ``args``
     (:class:`ServeArgs`, or the mapping a config file gives), each replica loading
-    ``args.load`` with ``model=``. Bad args raise one
-    :class:`~ray.serve.exceptions.RayServeException` line naming the field and the reason,
-    before anything starts (``serve deploy`` shows it as the application's error)."""
+    ``args.load`` with ``model=``. Bad args raise one :class:`ServeArgsError` line naming
+    the field and the reason, before anything starts (``serve deploy`` shows it as the
+    application's error, ``serve run module:app key=value`` exits 2 with it)."""
     try:
         checked = ServeArgs.of(args)
     except ConfigError as exc:
-        raise RayServeException(str(exc)) from None
+        raise ServeArgsError(str(exc)) from None
     deployment = serve.deployment(name=name or cls.__name__, **deployment_options(checked))(cls)
     return deployment.bind(checked.load, model)
 
@@ -208,6 +251,7 @@ def parse_token_ids(body: bytes, vocab: int) -> list[int]:
 __all__ = [
     "AUTOSCALING",
     "ServeArgs",
+    "ServeArgsError",
     "TPReplica",
     "application",
     "deployment_options",
