@@ -118,6 +118,8 @@ def worker_probe(worker: Any, compare: bool) -> dict[str, Any]:
             "read_chars": load.read_chars,
             "bytes_read": load.report.bytes_read,
             "method": load.report.method.effective.value,
+            "storage": load.report.storage,
+            "storage_bucket": load.report.storage_bucket,
         },
     }
     if compare:
@@ -150,7 +152,11 @@ def _fresh_load(worker: Any, load_format: str) -> torch.nn.Module:
             with torch.no_grad():
                 for p in model.parameters():
                     p.fill_(float("nan"))
-            load_config = dataclasses.replace(config.load_config, load_format=load_format)
+            # rayload's options are the engine's; vLLM's loaders refuse keys not theirs.
+            extra = config.load_config.model_loader_extra_config if load_format == "rayload" else {}
+            load_config = dataclasses.replace(
+                config.load_config, load_format=load_format, model_loader_extra_config=extra
+            )
             get_model_loader(load_config).load_weights(model, config.model_config)
     finally:
         context.clear()

@@ -55,6 +55,7 @@ from rayload.loading.plan_hf import tensor_shard
 from rayload.loading.probe import read_chars
 from rayload.loading.rank import load_rank
 from rayload.loading.report import RankReport
+from rayload.loading.storage import is_remote
 
 _vllm_log = init_logger("vllm.model_executor.model_loader.rayload")
 """vLLM's logger: the load's summary line appears among vLLM's own, like its loaders'."""
@@ -71,7 +72,10 @@ class VllmLoadOptions(BaseModel):
     shards before vLLM copies them into its parameters (default: vLLM's load device).
     ``rules``: a sharding rules file for an architecture rayload has no preset for.
     ``trace_dir``: where the workers' spans are merged into rayload's trace files (they
-    also go to vLLM's OTLP endpoint when it has one).
+    also go to vLLM's OTLP endpoint when it has one). ``path``: where the weights are, a
+    checkpoint directory or ``s3://bucket/prefix`` (default: vLLM's model directory). vLLM
+    0.32 takes an ``s3://`` model only with its own streaming formats, so an object-storage
+    checkpoint is a local model directory (config.json, the tokenizer) plus ``path``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -83,6 +87,7 @@ class VllmLoadOptions(BaseModel):
     rules: str | None = None
     strict: bool = False
     trace_dir: str | None = None
+    path: str | None = None
 
     @classmethod
     def parse(cls, extra: object) -> VllmLoadOptions:
@@ -141,7 +146,7 @@ class RayloadModelLoader(BaseModelLoader):
         self._trace: WorkerTrace | None = None
 
     def download_model(self, model_config: ModelConfig) -> None:
-        _checkpoint_dir(model_config)
+        _checkpoint(model_config, self.options.path)
 
     def create_model(
         self, vllm_config: Any, model_config: ModelConfig, prefix: str = ""
@@ -174,7 +179,7 @@ class RayloadModelLoader(BaseModelLoader):
         global _last_load
         start = time.perf_counter()
         chars_before = read_chars()
-        path = _checkpoint_dir(model_config)
+        path = _checkpoint(model_config, self.options.path)
         vocab = _vocab_rows(model)
         device = self.options.device or _param_device(model)
         planned: list[RankPlan] = []
@@ -213,13 +218,15 @@ class RayloadModelLoader(BaseModelLoader):
             seconds=seconds,
         )
         _vllm_log.info(
-            "Loading weights took %.2f seconds (rayload, rank %d/%d: %d tensors, %d bytes, %s)",
+            "Loading weights took %.2f seconds (rayload, rank %d/%d: %d tensors, %d bytes, "
+            "%s, from %s)",
             seconds,
             rank,
             tp_size,
             report.tensors,
             report.bytes_read,
             report.method.effective.value,
+            report.storage,
         )
 
 
@@ -265,15 +272,21 @@ def _parallel_layout() -> tuple[int, int, bool]:
     return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size(), expert_parallel
 
 
-def _checkpoint_dir(model_config: ModelConfig) -> str:
-    path = str(model_config.model)
-    if not os.path.isdir(path):
+def _checkpoint(model_config: ModelConfig, path: str | None) -> str:
+    """The checkpoint rayload reads: ``path`` (``s3://...`` or a directory), else vLLM's
+    model directory; CheckpointError when a local one is not a directory."""
+    checkpoint = path or str(model_config.model)
+    if is_remote(checkpoint):
+        return checkpoint
+    if not os.path.isdir(checkpoint):
+        where = "model_loader_extra_config['path']" if path else "the model"
         raise CheckpointError(
-            f"load_format={LOAD_FORMAT!r} reads a local checkpoint directory; {path!r} is "
-            "not one (download it first, e.g. `hf download`, and pass its path as the model)",
-            file=path,
+            f"load_format={LOAD_FORMAT!r} reads a checkpoint directory or s3://bucket/prefix; "
+            f"{where} {checkpoint!r} is neither (download it first, e.g. `hf download`, and "
+            "pass its path)",
+            file=checkpoint,
         )
-    return path
+    return checkpoint
 
 
 def _param_device(model: nn.Module) -> str:
