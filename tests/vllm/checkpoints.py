@@ -5,7 +5,8 @@ fixed seed at a scale that gives O(1) logits, so that greedy tokens depend on ev
 
 * ``llama_gqa``: 4 query heads over 1 KV head (replicated at tp 2), tied embeddings and a
   vocabulary of 200, which vLLM pads to 256 and cuts 128 + 72 at tp 2 (not 100 + 100);
-* ``qwen2``: q/k/v biases, 2 KV heads, untied ``lm_head``;
+* ``qwen2``: q/k/v biases, 2 KV heads, untied ``lm_head``, and a vocabulary of 201, which
+  no TP size above 1 divides: vLLM pads it to 256 and cuts 128 + 73 at tp 2;
 * ``mixtral``: 4 experts, top 2.
 """
 
@@ -63,7 +64,7 @@ def write_qwen2(directory: Path) -> Path:
 
     config = Qwen2Config(
         **_COMMON,
-        vocab_size=256,
+        vocab_size=201,
         intermediate_size=256,
         num_key_value_heads=2,
         tie_word_embeddings=False,

@@ -30,8 +30,9 @@ Each worker's load joins one trace, with vLLM's own start-up spans where vLLM tr
 from __future__ import annotations
 
 import os
+import re
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -55,6 +56,7 @@ from rayload.loading.plan_hf import tensor_shard
 from rayload.loading.probe import read_chars
 from rayload.loading.rank import load_rank
 from rayload.loading.report import RankReport
+from rayload.loading.rules import Rule, RuleSet, resolve_rules
 from rayload.loading.storage import is_remote
 
 _vllm_log = init_logger("vllm.model_executor.model_loader.rayload")
@@ -195,7 +197,7 @@ class RayloadModelLoader(BaseModelLoader):
             self.options.method,
             device,
             strict=self.options.strict,
-            rules=self.options.rules,
+            rules=_vllm_rules(self.options.rules, _architecture(model_config), vocab),
             expert_parallel=expert_parallel,
             adjust_plan=adjust,
         )
@@ -307,14 +309,31 @@ def _vocab_rows(model: nn.Module) -> dict[str, tuple[int, int]]:
     return rows
 
 
+def _architecture(model_config: ModelConfig) -> str | None:
+    architectures = getattr(model_config.hf_config, "architectures", None) or [None]
+    return architectures[0]
+
+
+def _vllm_rules(rules: str | None, architecture: str | None, vocab: Iterable[str]) -> RuleSet:
+    """The rules to plan with (the ``rules`` file, else the architecture's preset) with
+    every vocabulary-parallel tensor replicated after the user's own rules: vLLM pads the
+    vocabulary before it cuts it, so its size need not divide by the TP size, and
+    :func:`_vllm_vocab` then gives the rank vLLM's rows."""
+    base = resolve_rules(rules, architecture)
+    mine, preset = base.rules[: base.user_rules], base.rules[base.user_rules :]
+    whole = tuple(Rule(re.escape(name), None) for name in vocab)
+    return RuleSet((*mine, *whole, *preset), base.source, base.user_rules)
+
+
 def _vllm_vocab(
     plan: RankPlan, checkpoint: Checkpoint, rows: Mapping[str, tuple[int, int]]
 ) -> RankPlan:
-    """The rank's plan with each vocabulary tensor split 0 as vLLM cuts it (``rows``)."""
+    """The rank's plan with each vocabulary tensor cut on dimension 0 as vLLM cuts it
+    (``rows``)."""
     shards = []
     for shard in plan.shards:
         piece = rows.get(shard.name)
-        if piece is not None and shard.split == 0 and shard.pieces != (piece,):
+        if piece is not None and (shard.split, shard.pieces) != (0, (piece,)):
             shard = tensor_shard(checkpoint.tensors[shard.name], 0, (piece,))
         shards.append(shard)
     return RankPlan(plan.rank, plan.tp_size, tuple(shards))
