@@ -59,7 +59,9 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
             p.copy_(value.to(p.dtype))
 
 
-def _write(directory: Path, config: Any, seed: int) -> Path:
+def write_model(directory: Path, config: Any, seed: int) -> Path:
+    """``config``'s model with its weights redrawn from ``seed`` (:func:`_redraw`), saved
+    into ``directory`` by transformers' ``save_pretrained``."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -88,7 +90,7 @@ def write_llama_gqa(directory: Path) -> Path:
         tie_word_embeddings=True,
         rope_parameters=rope,
     )
-    return _write(directory, config, seed=1)
+    return write_model(directory, config, seed=1)
 
 
 def write_mistral(directory: Path) -> Path:
@@ -98,7 +100,7 @@ def write_mistral(directory: Path) -> Path:
     config = MistralConfig(
         **_COMMON, intermediate_size=128, num_key_value_heads=4, head_dim=16, sliding_window=4096
     )
-    return _write(directory, config, seed=2)
+    return write_model(directory, config, seed=2)
 
 
 def write_qwen2(directory: Path) -> Path:
@@ -106,7 +108,7 @@ def write_qwen2(directory: Path) -> Path:
     from transformers import Qwen2Config
 
     config = Qwen2Config(**_COMMON, intermediate_size=128, num_key_value_heads=2)
-    return _write(directory, config, seed=3)
+    return write_model(directory, config, seed=3)
 
 
 def write_qwen3(directory: Path) -> Path:
@@ -114,7 +116,7 @@ def write_qwen3(directory: Path) -> Path:
     from transformers import Qwen3Config
 
     config = Qwen3Config(**_COMMON, intermediate_size=128, num_key_value_heads=4, head_dim=16)
-    return _write(directory, config, seed=4)
+    return write_model(directory, config, seed=4)
 
 
 def write_phi3(directory: Path) -> Path:
@@ -124,7 +126,7 @@ def write_phi3(directory: Path) -> Path:
     config = Phi3Config(
         **_COMMON, intermediate_size=128, num_key_value_heads=2, partial_rotary_factor=0.5
     )
-    return _write(directory, config, seed=5)
+    return write_model(directory, config, seed=5)
 
 
 def write_gpt2(directory: Path) -> Path:
@@ -140,7 +142,7 @@ def write_gpt2(directory: Path) -> Path:
         bos_token_id=None,
         eos_token_id=None,
     )
-    return _write(directory, config, seed=6)
+    return write_model(directory, config, seed=6)
 
 
 def write_mixtral(directory: Path) -> Path:
@@ -154,7 +156,7 @@ def write_mixtral(directory: Path) -> Path:
         num_local_experts=4,
         num_experts_per_tok=2,
     )
-    return _write(directory, config, seed=7)
+    return write_model(directory, config, seed=7)
 
 
 def write_qwen3_moe(directory: Path) -> Path:
@@ -173,7 +175,7 @@ def write_qwen3_moe(directory: Path) -> Path:
         norm_topk_prob=True,
         mlp_only_layers=[1],
     )
-    return _write(directory, config, seed=8)
+    return write_model(directory, config, seed=8)
 
 
 def write_qwen2_moe(directory: Path) -> Path:
@@ -189,7 +191,7 @@ def write_qwen2_moe(directory: Path) -> Path:
         num_experts=4,
         num_experts_per_tok=2,
     )
-    return _write(directory, config, seed=9)
+    return write_model(directory, config, seed=9)
 
 
 FAMILIES: dict[str, Callable[[Path], Path]] = {

