@@ -101,7 +101,9 @@ class Served:
     range: str | None
     status: int
     body_bytes: int
+    """What the proxy sent of the body, or began to send when ``disconnected``."""
     disconnected: bool = False
+    """The client hung up before the proxy had written the response."""
 
 
 @dataclass
@@ -177,12 +179,17 @@ def _handler(proxy: S3Proxy) -> type[BaseHTTPRequestHandler]:
                 self.close_connection = True  # hung up between requests: not a failure
 
         def _forward(self) -> None:
+            self._served: Served | None = None
             try:
                 self._relay()
             except (BrokenPipeError, ConnectionResetError):
                 # The client hung up (it refused a body, or stopped waiting for one).
                 self.close_connection = True
-                self._record(self.command, self._key(), self.headers.get("Range"), 0, 0, True)
+                served = self._served or self._record(
+                    self.command, self._key(), self.headers.get("Range"), 0, 0
+                )
+                with proxy.lock:
+                    served.disconnected = True
 
         def _key(self) -> str:
             return unquote(urlsplit(self.path).path).lstrip("/")
@@ -224,15 +231,18 @@ def _handler(proxy: S3Proxy) -> type[BaseHTTPRequestHandler]:
                 if "content-length" not in (n.lower() for n, _ in response.getheaders()):
                     self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                sent = len(data) if method != "HEAD" else 0
+                sent = 0 if method == "HEAD" or fault == "blackhole" else len(data)
+                if fault in ("reset", "short"):
+                    sent //= 2
+                # Logged before the body goes: a client that has the last byte finds its
+                # request in the log (served_bytes right after a load).
+                self._served = self._record(
+                    method, key, headers.get("Range"), response.status, sent
+                )
                 if fault == "blackhole":
-                    self.wfile.flush()
-                    self._record(method, key, headers.get("Range"), response.status, 0)
                     proxy.released.wait(120)
                     self.close_connection = True
-                    return
                 elif fault in ("reset", "short") and method != "HEAD":
-                    sent = len(data) // 2
                     self.wfile.write(data[:sent])
                     self.wfile.flush()
                     if fault == "reset":
@@ -242,7 +252,6 @@ def _handler(proxy: S3Proxy) -> type[BaseHTTPRequestHandler]:
                     self.close_connection = True
                 elif method != "HEAD":
                     self.wfile.write(data)
-                self._record(method, key, headers.get("Range"), response.status, sent)
             finally:
                 upstream.close()
 
@@ -255,8 +264,8 @@ def _handler(proxy: S3Proxy) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Type", "application/xml")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
+            self._served = self._record(method, key, self.headers.get("Range"), status, 0)
             self.wfile.write(body)
-            self._record(method, key, self.headers.get("Range"), status, 0)
 
         def _record(
             self,
@@ -265,10 +274,11 @@ def _handler(proxy: S3Proxy) -> type[BaseHTTPRequestHandler]:
             range_: str | None,
             status: int,
             n: int,
-            disconnected: bool = False,
-        ) -> None:
+        ) -> Served:
+            served = Served(method, key, range_, status, n)
             with proxy.lock:
-                proxy.log.append(Served(method, key, range_, status, n, disconnected))
+                proxy.log.append(served)
+            return served
 
         do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
 
