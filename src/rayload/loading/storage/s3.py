@@ -56,9 +56,6 @@ BODY_RETRIES = 5
 _MAX_POOL = 64
 _CONNECT_TIMEOUT_S = 3.0
 _READ_TIMEOUT_S = 30.0
-_DEADLINE_SLACK_S = 1.0
-"""What a deadline keeps back after the last request may end: time for the error to reach
-the driver (from a rank) before the driver's own wait ends."""
 _API_ATTEMPTS = 6
 """Attempts per request (botocore's own retries are off: these are bounded by the
 load's deadline)."""
@@ -374,7 +371,7 @@ class S3Storage(Storage):
         if deadline is None:
             return
         connect, read = attempt_timeouts()
-        if deadline[0] - time.monotonic() - after > connect + read + _DEADLINE_SLACK_S:
+        if deadline[0] - time.monotonic() - after > connect + read + _slack(deadline[1]):
             return
         raise StorageError(
             f"{path}: no answer from the S3 endpoint {self._endpoint} within the load's "
@@ -448,6 +445,13 @@ def attempt_timeouts() -> tuple[float, float]:
     return min(_CONNECT_TIMEOUT_S, read), read
 
 
+def _slack(timeout_s: float) -> float:
+    """What a deadline of ``timeout_s`` keeps back after the last request or body read may
+    end: time for a rank's other reads to stop and its error to reach the driver before
+    the driver's own wait ends (a tenth of it, from 1 to 10 s)."""
+    return min(10.0, max(1.0, timeout_s / 10))
+
+
 def _fill(body: Any, pending: list[memoryview], read_timeout: float) -> tuple[int, str]:
     """Read ``body`` into ``pending`` (consumed in place) until full or the body ends;
     the bytes read and, when it ended early, why. Under a deadline, no read starts that
@@ -457,7 +461,7 @@ def _fill(body: Any, pending: list[memoryview], read_timeout: float) -> tuple[in
     import urllib3.exceptions as uex
 
     deadline = current_deadline()
-    stop_at = None if deadline is None else deadline[0] - read_timeout - _DEADLINE_SLACK_S
+    stop_at = None if deadline is None else deadline[0] - read_timeout - _slack(deadline[1])
     got = 0
     try:
         while pending:
