@@ -21,7 +21,10 @@ receive its shards through Ray's object store (their ranks' ``source`` says from
 every replica runs the forward, ``top5`` is replica 0's.
 Without ``--checkpoint`` the job writes a tiny generated Llama (float32) to a temp dir on
 the node that runs the job's driver: fine on one node; on several nodes pass a path every
-node can read (shared storage).
+node can read (shared storage), or ``--checkpoint s3://bucket/prefix``: each rank then
+fetches its own byte ranges, with the endpoint and credentials of its node's standard AWS
+environment (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``...; set where ``ray start`` runs),
+never passed through the job or Ray.
 """
 
 from __future__ import annotations
@@ -54,7 +57,9 @@ def next_token_top5(state: RankState, token_ids: list[int]) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="YAML or JSON file of rayload.LoadConfig fields")
-    parser.add_argument("--checkpoint", help="checkpoint directory (default: generate one)")
+    parser.add_argument(
+        "--checkpoint", help="checkpoint directory or s3://bucket/prefix (default: generate one)"
+    )
     parser.add_argument("--tp", type=int, help="TP size (default: 2)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="(default: cpu)")
     parser.add_argument("--replicas", type=int, help="copies of the TP group (default: 1)")

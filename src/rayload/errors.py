@@ -26,11 +26,24 @@ boundary with ``raise ... from exc`` so the cause stays attached.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class RayloadError(Exception):
     """Root of every error rayload raises on purpose."""
 
     exit_code = 1
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled with its message and every attribute, whatever arguments its class's
+        ``__init__`` requires: a rank's error crosses Ray to the driver whole."""
+        return (_rebuild, (type(self), self.args), self.__dict__)
+
+
+def _rebuild(cls: type[RayloadError], args: tuple[Any, ...]) -> RayloadError:
+    error = cls.__new__(cls)
+    error.args = args
+    return error
 
 
 class InputError(RayloadError):

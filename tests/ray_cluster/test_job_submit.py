@@ -2,7 +2,9 @@
 ``ray job submit`` against its own ``ray start --head`` cluster, run entirely in
 subprocesses (own ports, own temp dir) and stopped by killing only that cluster's
 processes: never ``ray stop``, which would stop every Ray on the machine.
-The job's next-token top 5 is held to transformers on the same generated checkpoint."""
+The job's next-token top 5 is held to transformers on the same generated checkpoint; once
+from a local checkpoint, once from ``s3://`` on the tests' S3 server (tests/support/s3.py),
+whose endpoint and credentials the cluster's processes have from their environment only."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import pytest
 import torch
 
 from rayload.loading import write_checkpoint
+from support.s3 import CANARY, files_containing, s3_server
 from support.transformers_models import reference_logits
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,6 +40,7 @@ pytestmark = pytest.mark.slow
 class HeadNode:
     dashboard: str
     env: dict[str, str]
+    temp_dir: str
 
 
 def _free_ports(count: int) -> list[int]:
@@ -112,7 +116,7 @@ def head_node() -> Iterator[HeadNode]:
     url = f"http://127.0.0.1:{dashboard}"
     try:
         _wait_for_dashboard(url, head, timeout_s=120)
-        yield HeadNode(dashboard=url, env=env)
+        yield HeadNode(dashboard=url, env=env, temp_dir=temp_dir)
     finally:
         head.send_signal(signal.SIGINT)  # `ray start --block` stops its processes on ^C
         try:
@@ -156,3 +160,37 @@ def test_job_submit_example_loads_inside_a_ray_job_and_prints_top5(
     checkpoint = write_checkpoint(tmp_path / "ckpt", dtype="f32")
     logits = reference_logits(checkpoint, torch.tensor([token_ids]))
     assert summary["top5"] == logits[0, -1].topk(5).indices.tolist()
+
+
+def test_job_submit_example_loads_an_s3_checkpoint_with_credentials_from_the_environment(
+    head_node: HeadNode, tmp_path: Path
+) -> None:
+    # ray start inherited the tests' AWS environment (tests/conftest.py): the ranks and the
+    # job read it as their node's; nothing about S3 is passed to the job.
+    assert head_node.env["AWS_SECRET_ACCESS_KEY"] == CANARY
+    checkpoint = write_checkpoint(tmp_path / "ckpt", dtype="f32")
+    url = s3_server().upload(checkpoint, "jobs", "tiny-llama-f32")
+    token_ids = [7, 300, 42, 5]
+    submit = [
+        RAY, "job", "submit",
+        "--address", head_node.dashboard,
+        "--working-dir", str(REPO / "examples"),
+        "--", "python", "job_submit.py", "--checkpoint", url, "--tp", "2",
+        "--token-ids", *map(str, token_ids),
+    ]  # fmt: skip
+    run = subprocess.run(submit, env=head_node.env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith('{"trace_id"')]
+    assert len(lines) == 1, run.stdout[-3000:]
+    summary = json.loads(lines[0])
+    assert [(r["rank"], r["storage"]) for r in summary["ranks"]] == [(0, "s3"), (1, "s3")]
+    assert all(r["bytes_from_storage"] > 0 for r in summary["ranks"])
+    logits = reference_logits(checkpoint, torch.tensor([token_ids]))
+    assert summary["top5"] == logits[0, -1].topk(5).indices.tolist()
+    state = subprocess.run(
+        [RAY, "list", "actors", "--detail", "--address", head_node.dashboard],
+        env=head_node.env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert state.returncode == 0 and "RankActor" in state.stdout, state.stderr[-2000:]
+    assert CANARY not in run.stdout + run.stderr + state.stdout + state.stderr
+    assert files_containing(Path(head_node.temp_dir), CANARY) == []

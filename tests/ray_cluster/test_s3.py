@@ -6,31 +6,41 @@ inherited as their node's, never from an argument).
 * 4 replicas of TP=2: the server's own byte count is one replica's with peers, four
   times it without (method ``scratch`` reads storage on every replica);
 * the secret access key (a canary) reaches no output, trace file, Ray log, nor Ray's
-  state API.
+  state API;
+* an endpoint silent after the driver's reads is each rank's StorageError, within the
+  load's timeout;
+* a Serve replica of examples/serve_deployment.py loads from ``s3://`` and answers a POST
+  with transformers' top 5, the canary nowhere in Serve's or Ray's state.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
 import ray
 import torch
+from ray import serve
 from ray.util.state import list_actors, list_tasks
 
 import rayload
 from rayload.actors.messages import RankState
+from rayload.errors import StorageError
 from rayload.loading import plan_shards, write_checkpoint
 from rayload.loading.checkpoint import open_checkpoint
-from rayload.loading.identity import peer_key
+from rayload.loading.identity import SAMPLE_BYTES, peer_key
 from rayload.loading.methods import LoadMethod
 from rayload.models import build_model
-from support.s3 import CANARY, S3Server, s3_server
-from support.transformers_models import Reference
+from support.s3 import CANARY, S3Server, files_containing, s3_server
+from support.transformers_models import Reference, reference_logits
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -112,18 +122,6 @@ def test_four_replicas_are_served_one_replicas_bytes_with_peers_four_times_witho
     assert 3.98 * ranks_one <= without - driver <= 4.02 * ranks_one
 
 
-def _grep(root: Path, needle: str) -> list[str]:
-    found = []
-    for path in root.rglob("*"):
-        if path.is_file():
-            try:
-                if needle.encode() in path.read_bytes():
-                    found.append(str(path))
-            except OSError:
-                continue
-    return found
-
-
 def test_the_secret_key_reaches_no_output_trace_log_or_state_api(
     s3: S3Server,
     medium_url: tuple[str, int],
@@ -142,9 +140,9 @@ def test_the_secret_key_reaches_no_output_trace_log_or_state_api(
     out = capfd.readouterr()
     assert CANARY not in out.out + out.err
     assert sorted((tmp_path / "trace").iterdir()), "no trace written"
-    assert _grep(tmp_path / "trace", CANARY) == []
+    assert files_containing(tmp_path / "trace", CANARY) == []
     session = Path(ray._private.worker._global_node.get_session_dir_path())
-    assert _grep(session / "logs", CANARY) == []
+    assert files_containing(session / "logs", CANARY) == []
     assert CANARY not in repr(details)
     cli = subprocess.run(
         [
@@ -164,3 +162,71 @@ def test_the_secret_key_reaches_no_output_trace_log_or_state_api(
     )
     assert cli.returncode == 0 and "RankActor" in cli.stdout, cli.stderr[-2000:]
     assert CANARY not in cli.stdout + cli.stderr
+
+
+def test_a_serve_replica_loads_from_s3_and_answers_a_post_keeping_the_secret(
+    s3: S3Server,
+    serve_example: ModuleType,
+    ray_cluster: Any,
+    unused_port: int,
+    no_leaks: Any,
+    tmp_path: Path,
+) -> None:
+    local = write_checkpoint(tmp_path / "f32-llama", dtype="f32")
+    url = s3.upload(local, "ray-models", "serve-f32-llama")
+    token_ids = [7, 300, 42, 5]
+    want = reference_logits(local, torch.tensor([token_ids]))[0, -1].topk(5).indices.tolist()
+    endpoint = f"http://127.0.0.1:{unused_port}/"
+    serve.start(http_options={"host": "127.0.0.1", "port": unused_port})
+    try:
+        load = {"path": url, "tp_size": 2, "device": "cpu", "timeout": 180}
+        serve.run(serve_example.build_app({"load": load}), name="rayload-s3", route_prefix="/")
+        with urllib.request.urlopen(endpoint, timeout=60) as response:
+            summary = json.load(response)
+        assert [r["storage"] for r in summary["ranks"]] == ["s3", "s3"]
+        assert all(r["bytes_from_storage"] > 0 for r in summary["ranks"])
+        request = urllib.request.Request(
+            endpoint, data=json.dumps({"token_ids": token_ids}).encode()
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.load(response) == {"top5": want}
+        state = repr(
+            [
+                serve.status(),
+                *list_actors(address=ray_cluster.state_address, detail=True, limit=10_000),
+                *list_tasks(address=ray_cluster.state_address, detail=True, limit=10_000),
+            ]
+        )
+        assert "ServeReplica" in state and "RankActor" in state
+        assert CANARY not in state + json.dumps(summary)
+    finally:
+        serve.shutdown()
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    assert files_containing(session / "logs", CANARY) == []
+
+
+def test_an_endpoint_silent_after_the_headers_is_each_rank_s_storage_error_within_timeout(
+    s3: S3Server, medium_url: tuple[str, int], no_leaks: Any, tmp_path: Path
+) -> None:
+    """The driver reads the headers, then the server answers the ranks' data GETs with
+    headers and nothing more: the load ends with the rank's StorageError (exit 2) naming
+    rank, node and endpoint, within the load's timeout, and the trace is written; not
+    RankTimeoutError (exit 1) after the whole wait."""
+    url, _ = medium_url
+    timeout = 40
+    s3.proxy.clear()
+    # Longer than the driver's reads (4 KiB identity samples): the ranks' ranges only.
+    s3.proxy.inject("blackhole", times=10_000, min_start=9, min_length=SAMPLE_BYTES + 1)
+    start = time.monotonic()
+    try:
+        with pytest.raises(StorageError) as info:
+            rayload.load(url, 2, device="cpu", timeout=timeout, trace_dir=tmp_path / "trace")
+        elapsed = time.monotonic() - start
+    finally:
+        s3.proxy.clear()
+    message = str(info.value)
+    assert info.value.exit_code == 2 and info.value.rank is not None, message
+    assert message.startswith(f"rank {info.value.rank} on node {info.value.node_id}: s3://")
+    assert f"within the load's timeout ({timeout} s" in message and "127.0.0.1" in message
+    assert elapsed < timeout, elapsed
+    assert sorted((tmp_path / "trace").iterdir()), "no trace written"

@@ -202,3 +202,26 @@ def test_a_blackholed_endpoint_exits_2_within_the_load_timeout(
                 filler.close()
     assert_one_line_error(result, f"within the load's timeout ({timeout} s", "127.0.0.1")
     assert elapsed <= timeout, elapsed
+
+
+def test_a_body_that_stops_after_its_headers_is_an_error_within_the_rank_deadline(
+    fresh: tuple[str, Path], proxy: Any
+) -> None:
+    """The server answers a rank's data GETs with headers, then nothing (an endpoint gone
+    silent after the driver read the headers): within the storage deadline a rank has
+    from its load request, each read gives up and the rank fails naming the endpoint,
+    instead of waiting out its read time-out (30 s) per attempt past the load's wait."""
+    from rayload.loading.storage import storage_deadline
+
+    url, first = fresh
+    proxy.inject("blackhole", suffix=".safetensors", times=1000, min_start=_data_start(first))
+    timeout = 6
+    start = time.monotonic()
+    with storage_deadline(4.5, of=timeout), pytest.raises(StorageError) as info:
+        load_rank(url, 0, 2)
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert f"within the load's timeout ({timeout} s" in message and ENDPOINT in message
+    assert ".safetensors" in message
+    assert elapsed < 4.5, elapsed
+    assert any(r.status == 206 and r.body_bytes == 0 for r in proxy.requests()), "no blackhole"

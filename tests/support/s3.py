@@ -8,15 +8,23 @@ environment: the endpoint is the proxy's port (chosen then), the secret a random
 (:func:`s3_server`), once per session.
 
 Faults (:meth:`S3Proxy.inject`) apply to the next GETs with a ``Range`` of a key ending
-with a suffix, starting at ``min_start`` or later (tensor data, not headers); ``denied``
-applies to any request of such a key:
+with a suffix, starting at ``min_start`` or later (tensor data, not headers) and at least
+``min_length`` bytes long (a rank's reads, not the driver's 4 KiB identity samples);
+``denied`` applies to any request of such a key:
 
 * ``slowdown``: 503 SlowDown (botocore retries it);
 * ``reset`` / ``short``: half the body, then a TCP reset / a clean close;
 * ``ignore_range``: the request goes on without its Range: 200 and the whole object;
 * ``denied``: 403 AccessDenied;
 * ``rewrite``: before forwarding, the object is overwritten (same size, other bytes), so
-  its ETag changes between the header read and this data read.
+  its ETag changes between the header read and this data read;
+* ``blackhole``: the response's status and headers, then nothing: the connection stays
+  open and silent (an endpoint that stopped answering) until the client gives up or the
+  faults are cleared.
+
+A client that hangs up while the proxy writes (rayload abandoning a body it refused, or
+one it stopped waiting for) is recorded as ``Served.disconnected``, not a traceback; any
+other error of the proxy still is one.
 """
 
 from __future__ import annotations
@@ -52,6 +60,18 @@ PROXY_PORT = _free_port()
 ENDPOINT = f"http://127.0.0.1:{PROXY_PORT}"
 
 
+def files_containing(root: Path, needle: str) -> list[str]:
+    """The files under ``root`` whose bytes contain ``needle`` (the canary greps)."""
+    found = []
+    for path in root.rglob("*"):
+        try:
+            if path.is_file() and needle.encode() in path.read_bytes():
+                found.append(str(path))
+        except OSError:
+            continue
+    return found
+
+
 def s3_environment() -> dict[str, str]:
     """The standard AWS variables naming the test server (no rayload-specific ones)."""
     return {
@@ -69,6 +89,7 @@ class _Fault:
     suffix: str
     times: int
     min_start: int
+    min_length: int
 
 
 @dataclass
@@ -80,6 +101,9 @@ class Served:
     range: str | None
     status: int
     body_bytes: int
+    """What the proxy sent of the body, or began to send when ``disconnected``."""
+    disconnected: bool = False
+    """The client hung up before the proxy had written the response."""
 
 
 @dataclass
@@ -91,15 +115,27 @@ class S3Proxy:
     faults: list[_Fault] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     client: Any = None
+    released: threading.Event = field(default_factory=threading.Event)
+    """Set by :meth:`clear`: the blackholed connections then close."""
 
-    def inject(self, kind: str, *, suffix: str = "", times: int = 1, min_start: int = 0) -> None:
+    def inject(
+        self,
+        kind: str,
+        *,
+        suffix: str = "",
+        times: int = 1,
+        min_start: int = 0,
+        min_length: int = 0,
+    ) -> None:
         with self.lock:
-            self.faults.append(_Fault(kind, suffix, times, min_start))
+            self.released.clear()
+            self.faults.append(_Fault(kind, suffix, times, min_start, min_length))
 
     def clear(self) -> None:
         with self.lock:
             self.log.clear()
             self.faults.clear()
+            self.released.set()
 
     def served_bytes(self, prefix: str = "") -> int:
         """Body bytes of the GETs of keys under ``prefix`` (``bucket/key...``)."""
@@ -113,13 +149,17 @@ class S3Proxy:
             return [r for r in self.log if r.key.startswith(prefix)]
 
     def take_fault(self, method: str, key: str, range_: str | None) -> str | None:
-        ranged = method == "GET" and range_ is not None
-        start = int(range_.removeprefix("bytes=").partition("-")[0]) if ranged and range_ else -1
+        start = length = -1
+        if method == "GET" and range_ is not None:
+            first, _, last = range_.removeprefix("bytes=").partition("-")
+            start, length = int(first), int(last) - int(first) + 1
         with self.lock:
             for fault in self.faults:
                 if not fault.times or not key.endswith(fault.suffix):
                     continue
-                if fault.kind == "denied" or (ranged and start >= fault.min_start):
+                if fault.kind == "denied" or (
+                    start >= fault.min_start and length >= max(1, fault.min_length)
+                ):
                     fault.times -= 1
                     return fault.kind
         return None
@@ -132,9 +172,31 @@ def _handler(proxy: S3Proxy) -> type[BaseHTTPRequestHandler]:
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
+        def handle(self) -> None:
+            try:
+                super().handle()
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True  # hung up between requests: not a failure
+
         def _forward(self) -> None:
+            self._served: Served | None = None
+            try:
+                self._relay()
+            except (BrokenPipeError, ConnectionResetError):
+                # The client hung up (it refused a body, or stopped waiting for one).
+                self.close_connection = True
+                served = self._served or self._record(
+                    self.command, self._key(), self.headers.get("Range"), 0, 0
+                )
+                with proxy.lock:
+                    served.disconnected = True
+
+        def _key(self) -> str:
+            return unquote(urlsplit(self.path).path).lstrip("/")
+
+        def _relay(self) -> None:
             method = self.command
-            key = unquote(urlsplit(self.path).path).lstrip("/")
+            key = self._key()
             headers = {k: v for k, v in self.headers.items()}
             length = int(headers.get("Content-Length", 0) or 0)
             body = self.rfile.read(length) if length else None
@@ -169,9 +231,18 @@ def _handler(proxy: S3Proxy) -> type[BaseHTTPRequestHandler]:
                 if "content-length" not in (n.lower() for n, _ in response.getheaders()):
                     self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                sent = len(data) if method != "HEAD" else 0
-                if fault in ("reset", "short") and method != "HEAD":
-                    sent = len(data) // 2
+                sent = 0 if method == "HEAD" or fault == "blackhole" else len(data)
+                if fault in ("reset", "short"):
+                    sent //= 2
+                # Logged before the body goes: a client that has the last byte finds its
+                # request in the log (served_bytes right after a load).
+                self._served = self._record(
+                    method, key, headers.get("Range"), response.status, sent
+                )
+                if fault == "blackhole":
+                    proxy.released.wait(120)
+                    self.close_connection = True
+                elif fault in ("reset", "short") and method != "HEAD":
                     self.wfile.write(data[:sent])
                     self.wfile.flush()
                     if fault == "reset":
@@ -181,7 +252,6 @@ def _handler(proxy: S3Proxy) -> type[BaseHTTPRequestHandler]:
                     self.close_connection = True
                 elif method != "HEAD":
                     self.wfile.write(data)
-                self._record(method, key, headers.get("Range"), response.status, sent)
             finally:
                 upstream.close()
 
@@ -194,12 +264,21 @@ def _handler(proxy: S3Proxy) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Type", "application/xml")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
+            self._served = self._record(method, key, self.headers.get("Range"), status, 0)
             self.wfile.write(body)
-            self._record(method, key, self.headers.get("Range"), status, 0)
 
-        def _record(self, method: str, key: str, range_: str | None, status: int, n: int) -> None:
+        def _record(
+            self,
+            method: str,
+            key: str,
+            range_: str | None,
+            status: int,
+            n: int,
+        ) -> Served:
+            served = Served(method, key, range_, status, n)
             with proxy.lock:
-                proxy.log.append(Served(method, key, range_, status, n))
+                proxy.log.append(served)
+            return served
 
         do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _forward
 

@@ -95,7 +95,10 @@ def load_ranks(
     their spans into the trace, return each replica's reports by rank. A failed rank
     stops every group: a load is all its replicas or nothing."""
     notify = _rank_notifier(progress, sum(group.tp_size for group in groups))
-    started = [group.start_load(r) for group, r in zip(groups, requests, strict=True)]
+    started = [
+        group.start_load(r.until(deadline, timeout))
+        for group, r in zip(groups, requests, strict=True)
+    ]
     replicas = []
     for group, dispatched in zip(groups, started, strict=True):
         finished = group.finish_load(dispatched, deadline=deadline, on_rank_done=notify)
@@ -129,7 +132,7 @@ def reload_ranks(
     are the caller's to keep or drop); a failure raises the error naming the first
     failed rank, with what every rank overwrote (``.overwritten``: rank -> tensors, empty
     where nothing was written)."""
-    finished = group.reload(request, deadline=deadline)
+    finished = group.reload(request.until(deadline, timeout), deadline=deadline)
     for outcome in finished.outcomes.values():
         trace.add_rank(outcome.spans, *group.clock_offsets.get(outcome.rank, (0, None)))
     failure = finished.failure

@@ -8,9 +8,10 @@ would not reach the user).
 
 from __future__ import annotations
 
+import time
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from rayload.actors.peers import PeerRef
@@ -31,7 +32,11 @@ class LoadRequest:
     ``shared_copy`` makes each loaded rank keep a copy of its shards in its node's object
     store for receivers on that node. ``versions`` are the (path, ETag) of the objects the
     driver read (``s3://``; empty for files): a rank that finds another version fails
-    naming the object, so no two ranks load different versions.
+    naming the object, so no two ranks load different versions. ``storage_deadline``:
+    (seconds left of the load's timeout when the driver sent this, that timeout): the
+    rank's storage requests end within it (:func:`~rayload.loading.storage.storage_deadline`),
+    so an endpoint that stops answering is the rank's StorageError before the driver's
+    wait ends, not a timed-out rank. Seconds, not a time: the nodes' clocks differ.
     """
 
     path: str
@@ -52,6 +57,12 @@ class LoadRequest:
     peer_wait_s: float = 600.0
     shared_copy: bool = False
     versions: tuple[tuple[str, str], ...] = ()
+    storage_deadline: tuple[float, float] | None = None
+
+    def until(self, deadline: float, timeout: float) -> LoadRequest:
+        """This request with its ``storage_deadline`` set from the driver's ``deadline``
+        (``time.monotonic()``) of a load of ``timeout`` seconds, as of now."""
+        return replace(self, storage_deadline=(max(0.0, deadline - time.monotonic()), timeout))
 
 
 @dataclass(frozen=True)

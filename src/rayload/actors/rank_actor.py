@@ -31,6 +31,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -62,7 +63,7 @@ from rayload.loading.model import ModelContext, build_and_fill, engine_phases
 from rayload.loading.probe import EnvProbe, probe_environment, read_chars
 from rayload.loading.rank import PostLoad, reload_rank
 from rayload.loading.report import PhaseTimer, RankReport
-from rayload.loading.storage import expect_versions
+from rayload.loading.storage import expect_versions, storage_deadline
 from rayload.tracing.rank_spans import engine_spans_payload, rank_spans_payload, report_attributes
 
 _IMPORTS_END_NS = time.time_ns()
@@ -225,21 +226,22 @@ class RankActor:
                     request.process_group, rank=self._rank, device=device, timer=timer
                 )
             expect_versions(request.path, request.versions)
-            self._tensors, report = load_rank(
-                request.path,
-                self._rank,
-                request.tp_size,
-                request.method,
-                device,
-                strict=request.strict,
-                rules=request.rules,
-                model_role=request.model_role,
-                probe=self._probe(),
-                timer=timer,
-                post_load=self._model_builder(request, device, timer),
-                expert_parallel=request.expert_parallel,
-                peer=self._peer_source(request),
-            )
+            with _storage_deadline(request):
+                self._tensors, report = load_rank(
+                    request.path,
+                    self._rank,
+                    request.tp_size,
+                    request.method,
+                    device,
+                    strict=request.strict,
+                    rules=request.rules,
+                    model_role=request.model_role,
+                    probe=self._probe(),
+                    timer=timer,
+                    post_load=self._model_builder(request, device, timer),
+                    expert_parallel=request.expert_parallel,
+                    peer=self._peer_source(request),
+                )
             report = _with_node(report, self._node_id, request.replica_index)
             self._report = report
             self._shards.loaded(self._tensors)
@@ -352,22 +354,23 @@ class RankActor:
             if self._report is None:
                 raise RuntimeError(f"rank {self._rank} has no loaded weights to reload into")
             expect_versions(request.path, request.versions)
-            report = reload_rank(
-                request.path,
-                self._rank,
-                request.tp_size,
-                self._tensors,
-                request.method,
-                self._report.device,
-                strict=request.strict,
-                rules=request.rules,
-                model_role=request.model_role,
-                probe=self._probe(),
-                timer=timer,
-                expert_parallel=request.expert_parallel,
-                written=written,
-                peer=self._peer_source(request),
-            )
+            with _storage_deadline(request):
+                report = reload_rank(
+                    request.path,
+                    self._rank,
+                    request.tp_size,
+                    self._tensors,
+                    request.method,
+                    self._report.device,
+                    strict=request.strict,
+                    rules=request.rules,
+                    model_role=request.model_role,
+                    probe=self._probe(),
+                    timer=timer,
+                    expert_parallel=request.expert_parallel,
+                    written=written,
+                    peer=self._peer_source(request),
+                )
             report = _with_node(report, self._node_id, request.replica_index)
             self._report = report
             self._request = replace(self._request or request, path=request.path)
@@ -505,6 +508,15 @@ def process_start_ns() -> int | None:
 
 def _cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _storage_deadline(request: LoadRequest) -> AbstractContextManager[None]:
+    """The rank's storage deadline: what was left of the load's when the driver sent
+    ``request`` (none for a request without one)."""
+    if request.storage_deadline is None:
+        return nullcontext()
+    left, timeout = request.storage_deadline
+    return storage_deadline(left, of=timeout)
 
 
 def _with_node(report: RankReport, node_id: str, replica: int | None) -> RankReport:

@@ -48,7 +48,10 @@ def run_benchmark(
     summaries = summary.summarize(samples, prep.checkpoint_bytes)
     tp = max(config.tp_sizes)
     amplification = None
-    if config.split_probe:
+    not_applicable = _not_applicable(config)
+    for what, why in not_applicable.items():
+        progress(f"{what}: {why}")
+    if config.split_probe and "split probe" not in not_applicable:
         from rayload.benchmark.splits import split_amplification
 
         amplification = split_amplification(config, prep, tp, progress)
@@ -74,6 +77,7 @@ def run_benchmark(
         "machine": machine,
         "loadavg_after": os.getloadavg(),
         "baseline_rss": baseline_rss(),
+        "storage": {**_storage(prep.checkpoint), "not_applicable": not_applicable},
         "checkpoint": {
             "path": prep.checkpoint,
             "bytes": prep.checkpoint_bytes,
@@ -92,6 +96,28 @@ def run_benchmark(
         "samples": [s.to_dict() for s in samples],
     }
     return json.loads(json.dumps(result))  # plain JSON types: what write_report writes
+
+
+def _storage(checkpoint: str) -> dict[str, Any]:
+    """Where the checkpoint is: ``rayload.storage`` (``file`` | ``s3``) and, for object
+    storage, the endpoint's host and the bucket (never a credential)."""
+    from rayload.loading.storage import storage_for
+
+    attributes = storage_for(checkpoint).attributes()
+    kind = attributes.pop("rayload.storage")
+    return {"kind": kind, **{k.removeprefix("rayload.storage."): v for k, v in attributes.items()}}
+
+
+def _not_applicable(config: BenchConfig) -> dict[str, str]:
+    """What of the benchmark does not apply to the configured checkpoint, and why."""
+    if not config.remote:
+        return {}
+    return {
+        "page cache": "the objects come from the server on every load, never from this "
+        "machine's page cache: nothing evicted or warmed, one cache state (remote)",
+        "split probe": "it writes one-layer subsets of the checkpoint to local disk, and "
+        "nothing of an s3:// checkpoint is copied to this machine",
+    }
 
 
 def write_report(result: dict[str, Any], out_dir: str | os.PathLike[str]) -> dict[str, Path]:

@@ -9,7 +9,9 @@ that copy a peer would be timed for reading nothing.
 
 The cases of one layout (:mod:`rayload.benchmark.layouts`) hand each rank the same
 tensors, cut on the same dimensions (those of rayload's plan), so their outputs can be
-compared byte for byte; the peers and limits are all of the ``tp`` layout. On a
+compared byte for byte; the peers and limits are all of the ``tp`` layout. From an
+``s3://`` checkpoint only the cases whose ``storages`` name ``s3`` run: rayload's own
+(the ranks fetch their ranges) and the limit, there the server's. On a
 mixture-of-experts checkpoint, ``scratch_ep`` (expert parallel) and ``whole_experts``
 (every rank every expert whole) hold other tensors than ``scratch`` (each expert split).
 """
@@ -28,6 +30,9 @@ import torch
 
 from rayload.benchmark import probes
 from rayload.benchmark.layouts import EP, TP, WHOLE_EXPERTS, LoadOptions
+from rayload.loading.report import RankReport
+from rayload.loading.storage import StorageCounters, is_remote, storage_for
+from rayload.loading.storage.base import StorageKind
 
 Kind = Literal["rayload", "peer", "limit"]
 
@@ -60,6 +65,9 @@ class Loaded:
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     mapped_bytes: int = 0
+    storage_bytes: int | None = None
+    """Bytes received from object storage (``s3://``), which ``rchar`` does not see;
+    None for local files."""
     effective: str | None = None
     fallback_reason: str | None = None
     phases: dict[str, float] = field(default_factory=dict)
@@ -83,6 +91,10 @@ class Case:
     """How its TP group divides the tensors, so which reference it is checked against."""
     method: str | None = None
     """The rayload load method it runs (rayload cases), as their reports name it."""
+    storages: tuple[StorageKind, ...] = ("file",)
+    """The storages it can read a checkpoint from."""
+    why_local_only: str = ""
+    """Why it reads local files only (when ``storages`` lacks ``s3``)."""
 
 
 def shard_index(
@@ -119,12 +131,18 @@ def _rayload(method: str) -> Callable[[RankJob], Loaded]:
         )
         return Loaded(
             dict(tensors),
+            storage_bytes=_remote_bytes(report),
             effective=str(report.method.effective),
             fallback_reason=report.method.fallback_reason,
             phases={p.name: p.seconds for p in report.phases},
         )
 
     return run
+
+
+def _remote_bytes(report: RankReport) -> int | None:
+    """What the rank received from object storage; None from local files (``rchar``)."""
+    return report.bytes_from_storage if report.storage != "file" else None
 
 
 def _scratch_model(job: RankJob) -> Loaded:
@@ -144,7 +162,12 @@ def _scratch_model(job: RankJob) -> Loaded:
     fill_model(module, tensors, rank=job.rank)
     phases = {p.name: p.seconds for p in report.phases}
     phases[MODEL_PHASE] = time.perf_counter() - start
-    return Loaded(dict(tensors), effective=str(report.method.effective), phases=phases)
+    return Loaded(
+        dict(tensors),
+        storage_bytes=_remote_bytes(report),
+        effective=str(report.method.effective),
+        phases=phases,
+    )
 
 
 def _safe_open_slice(job: RankJob) -> Loaded:
@@ -208,9 +231,47 @@ LIMIT_CHUNK = 16 << 20
 
 def _sequential_read(job: RankJob) -> Loaded:
     """The limit: every byte of every checkpoint file, read once, in order, with large
-    reads into one reused buffer (the kernel's sequential readahead at its widest)."""
+    reads into one reused buffer (the kernel's sequential readahead at its widest).
+    From object storage, the server's limit (:func:`_ranged_gets`)."""
+    if is_remote(job.checkpoint):
+        return _ranged_gets(job.files, allocate=False)
     _read_in_order(job.files)
     return Loaded()
+
+
+def _ranged_gets(paths: Sequence[str], *, allocate: bool) -> Loaded:
+    """The server's limit: every byte of the objects ``paths`` as raw ranged GETs of
+    ``gather_bytes`` (the longest GET rayload makes), as many in flight as a rayload
+    rank's reader has, through the storage rayload reads with (one client, its retries),
+    building no tensor; into one reused buffer per thread, or (``allocate``) into new
+    memory holding the whole checkpoint, as a loader's destination is."""
+    from rayload.loading.reader.options import REMOTE_THREADS
+
+    storage = storage_for(paths[0])
+    chunk = storage.gather_bytes
+    pieces = [(p, off) for p in paths for off in range(0, storage.size(p), chunk)]
+    local = threading.local()
+    kept: list[torch.Tensor] = []
+
+    def get(piece: tuple[str, int]) -> int:
+        path, offset = piece
+        size = min(chunk, storage.size(path) - offset)
+        if allocate:
+            buf = torch.empty(size, dtype=torch.uint8)
+            kept.append(buf)
+            view = buf.numpy().data.cast("B")
+        else:
+            if not hasattr(local, "view"):
+                local.view = memoryview(bytearray(chunk))
+            view = local.view[:size]
+        return storage.read_into(path, offset, [view], size)
+
+    before = storage.counters()
+    with ThreadPoolExecutor(REMOTE_THREADS) as pool:
+        for _ in pool.map(get, pieces):
+            pass
+    fetched: StorageCounters = storage.counters() - before
+    return Loaded(storage_bytes=fetched.bytes)
 
 
 def _rank_files_read(job: RankJob) -> Loaded:
@@ -270,7 +331,10 @@ def _parallel_read(job: RankJob) -> Loaded:
 def _sequential_read_alloc(job: RankJob) -> Loaded:
     """The limit for a loader, whose destination is new memory: the same sequential read,
     but into freshly allocated buffers that together hold the whole checkpoint, so the
-    kernel's page faults and zeroing of new pages are paid as every loader pays them."""
+    kernel's page faults and zeroing of new pages are paid as every loader pays them.
+    From object storage, the server's limit into new memory (:func:`_ranged_gets`)."""
+    if is_remote(job.checkpoint):
+        return _ranged_gets(job.files, allocate=True)
     buffers = []
     for path in job.files:
         buf = torch.empty(os.path.getsize(path), dtype=torch.uint8)
@@ -293,9 +357,11 @@ CASES: dict[str, Case] = {
         Case(
             "limit",
             "limit",
-            "one sequential read of the whole checkpoint",
+            "one sequential read of the whole checkpoint (s3://: every byte as ranged GETs, "
+            "a rank's reader threads in flight, reused buffers)",
             _sequential_read,
             per_rank=False,
+            storages=("file", "s3"),
         ),
         Case(
             "limit_alloc",
@@ -303,6 +369,7 @@ CASES: dict[str, Case] = {
             "the same sequential read into newly allocated memory (page faults paid)",
             _sequential_read_alloc,
             per_rank=False,
+            storages=("file", "s3"),
         ),
         Case(
             "limit_parallel",
@@ -310,6 +377,7 @@ CASES: dict[str, Case] = {
             "the same bytes read by one thread per CPU into reused buffers",
             _parallel_read,
             per_rank=False,
+            why_local_only="reads local files (from s3:// the limit itself is parallel)",
         ),
         Case(
             "limit_rank_files",
@@ -317,6 +385,7 @@ CASES: dict[str, Case] = {
             "each rank's files of the converted copy read the limit's way, one process per rank",
             _rank_files_read,
             reads_converted=True,
+            why_local_only="reads a converted copy on local disk",
         ),
         Case(
             "scratch",
@@ -324,6 +393,7 @@ CASES: dict[str, Case] = {
             "rayload load_rank(method='scratch')",
             _rayload("scratch"),
             method="scratch",
+            storages=("file", "s3"),
         ),
         Case(
             "converted",
@@ -332,6 +402,7 @@ CASES: dict[str, Case] = {
             _rayload("converted"),
             reads_converted=True,
             method="converted",
+            why_local_only="reads a converted copy on local disk",
         ),
         Case(
             "fastsafetensors",
@@ -339,6 +410,7 @@ CASES: dict[str, Case] = {
             "rayload load_rank(method='fastsafetensors')",
             _rayload("fastsafetensors"),
             method="fastsafetensors",
+            why_local_only="fastsafetensors opens local files (from s3:// it falls back)",
         ),
         Case(
             "fastsafetensors_gdr",
@@ -347,6 +419,7 @@ CASES: dict[str, Case] = {
             _rayload("fastsafetensors_gdr"),
             needs_cuda=True,
             method="fastsafetensors_gdr",
+            why_local_only="fastsafetensors opens local files (from s3:// it falls back)",
         ),
         Case(
             "scratch_model",
@@ -354,6 +427,7 @@ CASES: dict[str, Case] = {
             "scratch + the reference TP model (meta) filled in place, as load(model=...)",
             _scratch_model,
             method="scratch",
+            storages=("file", "s3"),
         ),
         Case(
             "scratch_ep",
@@ -363,6 +437,7 @@ CASES: dict[str, Case] = {
             _rayload("scratch"),
             layout=EP,
             method="scratch",
+            storages=("file", "s3"),
         ),
         Case(
             "whole_experts",
@@ -372,24 +447,28 @@ CASES: dict[str, Case] = {
             _rayload("scratch"),
             layout=WHOLE_EXPERTS,
             method="scratch",
+            storages=("file", "s3"),
         ),
         Case(
             "safe_open_slice",
             "peer",
             "safetensors safe_open + get_slice(name)[shard]",
             _safe_open_slice,
+            why_local_only="safetensors opens local files",
         ),
         Case(
             "fastsafetensors_whole",
             "peer",
             "fastsafetensors, whole checkpoint per rank, sliced",
             _fastsafetensors_whole,
+            why_local_only="fastsafetensors opens local files",
         ),
         Case(
             "load_file_slice",
             "peer",
             "safetensors.torch.load_file per file, sliced",
             _load_file_slice,
+            why_local_only="safetensors opens local files",
         ),
     )
 }

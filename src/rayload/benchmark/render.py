@@ -22,6 +22,13 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None or math.isnan(value) else fmt.format(value)
 
 
+_CACHE_TITLES = {
+    "cold": "cold page cache",
+    "warm": "warm page cache",
+    "remote": "remote storage (no page cache)",
+}
+
+
 def table(summaries: Sequence[CaseSummary], cache: str) -> str:
     """The markdown table of one cache state."""
     peers = sorted({p for s in summaries for p in s.speedup})
@@ -115,9 +122,17 @@ def markdown(
         )
     for name, why in result["skipped"].items():
         lines.append(f"- skipped `{name}`: {why}")
+    storage = result.get("storage") or {"kind": "file"}
+    if storage["kind"] != "file":
+        lines.append(
+            f"- storage: {storage['kind']}, endpoint {storage.get('endpoint')}, bucket "
+            f"{storage.get('bucket')}; bytes read are the bytes the ranks received from it"
+        )
+    for what, why in (storage.get("not_applicable") or {}).items():
+        lines.append(f"- not applicable, {what}: {why}")
     lines.append("")
     for cache in cfg["caches"]:
-        lines += [f"## {cache} page cache", "", table(summaries, cache), ""]
+        lines += [f"## {_CACHE_TITLES.get(cache, cache)}", "", table(summaries, cache), ""]
     experts = expert_table(summaries, ck.get("layouts", []), cfg["caches"])
     if experts:
         lines += ["## Experts: expert parallel, plain TP, every expert whole", "", experts, ""]
@@ -353,7 +368,7 @@ def chart(summaries: Sequence[CaseSummary], caches: Sequence[str], path: Path) -
                 ax.axhline(limit.wall_s, color="black", linestyle=style, label=label)
         ax.set_xticks(range(len(tps)), [f"TP={tp}" for tp in tps])
         ax.set_ylabel("wall time, s (median; lower is better)")
-        ax.set_title(f"{cache} page cache")
+        ax.set_title(_CACHE_TITLES.get(cache, cache))
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

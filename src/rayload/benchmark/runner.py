@@ -11,6 +11,11 @@ Before a cold case every file any case may read (checkpoint and converted copies
 evicted from the page cache; before a warm case the files the case reads are read once.
 The fraction of those files cached when the case starts is recorded, so a reader can
 check that "cold" was cold.
+
+An ``s3://`` checkpoint is benchmarked where it is: nothing of it is copied to this
+machine, so the cases that read local files (the peers, ``converted``, fastsafetensors)
+are skipped with that reason, the limit is the server's (every byte as raw ranged GETs),
+and the page cache does not apply: its one cache state is :data:`REMOTE`.
 """
 
 from __future__ import annotations
@@ -30,10 +35,14 @@ from rayload.benchmark.cases import CASES, Case, RankJob
 from rayload.benchmark.layouts import TP, LayoutPlan, LoadOptions, load_options, summarize_layout
 from rayload.benchmark.worker import RankSample
 from rayload.errors import ConfigError, ShardingError
+from rayload.loading.storage import is_remote, storage_for
 
 log = logging.getLogger(__name__)
 
 CACHES = ("cold", "warm")
+REMOTE = "remote"
+"""The cache state of an ``s3://`` checkpoint: its objects come from the server on every
+load, never from this machine's page cache, so there is nothing to evict or warm."""
 Progress = Callable[[str], None]
 
 
@@ -45,6 +54,8 @@ class BenchConfig:
     """Size of the generated checkpoint (ignored with ``checkpoint``)."""
     tp_sizes: tuple[int, ...] = (1, 2, 4)
     caches: tuple[str, ...] = CACHES
+    """Page cache states to run each case in. An ``s3://`` checkpoint has one,
+    :data:`REMOTE`, which the default (both) becomes there; any other is an error."""
     repeat: int = 3
     """Repetitions of every case; the summary reports medians."""
     methods: tuple[str, ...] | None = None
@@ -53,7 +64,8 @@ class BenchConfig:
     workdir: str = "/tmp/rayload-bench"
     """Where the generated checkpoint and converted copies live (kept between runs)."""
     checkpoint: str | None = None
-    """Benchmark this existing checkpoint instead of generating one."""
+    """Benchmark this existing checkpoint (a directory, or ``s3://bucket/prefix``)
+    instead of generating one."""
     preset: str = "llama-1b"
     dtype: str = "bf16"
     device: str = "cpu"
@@ -72,14 +84,27 @@ class BenchConfig:
             raise ConfigError(f"--size-gb must be positive, got {self.size_gb}")
         if not self.tp_sizes or any(tp < 1 for tp in self.tp_sizes):
             raise ConfigError(f"--tp needs sizes >= 1, got {list(self.tp_sizes)}")
-        if bad := [c for c in self.caches if c not in CACHES] or not self.caches:
+        remote = self.checkpoint is not None and is_remote(self.checkpoint)
+        if remote and self.caches not in (CACHES, (REMOTE,)):
+            raise ConfigError(
+                f"--cache does not apply to {self.checkpoint}: its objects are fetched from "
+                "the server on every load, never from this machine's page cache; drop --cache"
+            )
+        if remote:
+            object.__setattr__(self, "caches", (REMOTE,))
+        elif bad := [c for c in self.caches if c not in CACHES] or not self.caches:
             raise ConfigError(f"--cache takes {' and/or '.join(CACHES)}, got {bad or 'none'}")
         if self.repeat < 1:
             raise ConfigError(f"--repeat must be >= 1, got {self.repeat}")
         if self.methods is not None and (bad := [m for m in self.methods if m not in CASES]):
             raise ConfigError(f"unknown benchmark case(s) {bad}; choose from {', '.join(CASES)}")
-        if self.checkpoint is not None and not os.path.isdir(self.checkpoint):
+        if self.checkpoint is not None and not remote and not os.path.isdir(self.checkpoint):
             raise ConfigError(f"checkpoint {self.checkpoint} is not a directory")
+
+    @property
+    def remote(self) -> bool:
+        """Whether the checkpoint is in object storage (``s3://``)."""
+        return self.checkpoint is not None and is_remote(self.checkpoint)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
@@ -138,8 +163,14 @@ class Prepared:
     """What each layout that runs gives each rank, per TP size."""
 
 
-def unavailable_reason(case: Case) -> str | None:
-    """Why ``case`` cannot run on this machine, or None."""
+def unavailable_reason(case: Case, checkpoint: str | None = None) -> str | None:
+    """Why ``case`` cannot run on this machine (or on ``checkpoint``), or None."""
+    storage = "s3" if checkpoint is not None and is_remote(checkpoint) else "file"
+    if storage not in case.storages:
+        return (
+            f"{case.why_local_only or 'reads local files'}; an {storage}:// checkpoint is "
+            "benchmarked where it is, nothing of it copied to this machine"
+        )
     if case.needs_cuda:
         import torch
 
@@ -151,7 +182,11 @@ def unavailable_reason(case: Case) -> str | None:
 def prepare(config: BenchConfig, progress: Progress) -> Prepared:
     """Generate (or reuse) the checkpoint, plan every TP size, convert where needed."""
     requested = selected_cases(config)
-    skipped = {n: r for n in requested if (r := unavailable_reason(CASES[n])) is not None}
+    skipped = {
+        n: r
+        for n in requested
+        if (r := unavailable_reason(CASES[n], config.checkpoint)) is not None
+    }
     checkpoint = config.checkpoint or _generated_checkpoint(config, progress)
     return prepare_checkpoint(
         checkpoint,
@@ -202,7 +237,7 @@ def prepare_checkpoint(
     return Prepared(
         checkpoint=str(checkpoint),
         files=files,
-        checkpoint_bytes=sum(os.path.getsize(f) for f in files),
+        checkpoint_bytes=sum(storage_for(f).size(f) for f in files),
         splits=splits,
         plan_rank_bytes=plan_bytes,
         converted=converted,
@@ -261,9 +296,9 @@ def run_case(
     files = _case_files(case, tp, prep)
     if cache == "cold":
         probes.evict(_all_files(prep))
-    else:
+    elif cache == "warm":
         probes.warm(files)
-    cached = probes.cached_fraction(files)
+    cached = 0.0 if cache == REMOTE else probes.cached_fraction(files)
     ranks = tp if case.per_rank else 1
     jobs = [
         RankJob(

@@ -7,6 +7,10 @@ options, :mod:`rayload.benchmark.layouts`) read with safetensors ``safe_open`` +
 digest (:func:`rayload.benchmark.worker.digest`: names, dtypes, shapes and bytes) is
 compared with the reference of its own layout, never with a case of another layout: an
 expert-parallel rank holds other tensors than a TP rank, by design.
+
+From an ``s3://`` checkpoint, which safetensors cannot open, each tensor of the plan is
+fetched whole with one ranged GET of its header's offsets and sliced the same way: no
+file is copied to this machine, and rayload's read plan is not involved.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from rayload.benchmark.layouts import plan_layout
 from rayload.benchmark.runner import CaseSample, Prepared
 from rayload.benchmark.worker import digest
 from rayload.loading.checkpoint import open_checkpoint
+from rayload.loading.header import TensorInfo
 from rayload.loading.plan import RankPlan
+from rayload.loading.storage import is_remote, storage_for
 
 
 @dataclass(frozen=True)
@@ -43,8 +49,31 @@ RefKey = tuple[str, int, int]
 """(layout, tp size, rank)."""
 
 
-def reference_tensors(rank: RankPlan) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s tensors as its plan describes them, read with safetensors."""
+class _RemoteFile:
+    """The two calls of safetensors' ``safe_open`` handle :func:`reference_tensors` makes,
+    for an object in storage: each tensor fetched whole by the offsets of its header."""
+
+    def __init__(self, tensors: Mapping[str, TensorInfo]) -> None:
+        self._tensors = tensors
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        from rayload.loading.dtypes import torch_dtype
+
+        info = self._tensors[name]
+        data = bytearray(storage_for(info.file).read(info.file, info.start, info.nbytes))
+        flat = (
+            torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+        )
+        return flat.view(torch_dtype(info.dtype)).reshape(info.shape)
+
+    get_slice = get_tensor  # a whole tensor takes the same index as safetensors' slice
+
+
+def reference_tensors(
+    rank: RankPlan, tensors: Mapping[str, TensorInfo] | None = None
+) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s tensors as its plan describes them, read with safetensors (from
+    object storage: by ranged GETs of ``tensors``, the checkpoint's, see the module doc)."""
     from safetensors import safe_open
 
     out: dict[str, torch.Tensor] = {}
@@ -53,7 +82,11 @@ def reference_tensors(rank: RankPlan) -> dict[str, torch.Tensor]:
         for shard in rank.shards:
             (path,) = shard.files
             if path not in handles:
-                handles[path] = stack.enter_context(safe_open(path, framework="pt"))
+                handles[path] = (
+                    _RemoteFile(tensors or {})
+                    if is_remote(path)
+                    else stack.enter_context(safe_open(path, framework="pt"))
+                )
             f = handles[path]
             if shard.split is None or not shard.pieces:
                 out[shard.name] = f.get_tensor(shard.name).clone()
@@ -78,7 +111,7 @@ def references(
         for tp in tp_sizes:
             plan = plan_layout(checkpoint, tp, prep.options[layout])
             for rank in plan.ranks:
-                tensors = reference_tensors(rank)
+                tensors = reference_tensors(rank, checkpoint.tensors)
                 out[(layout, tp, rank.rank)] = Outcome(
                     digest(tensors), len(tensors), sum(t.nbytes for t in tensors.values())
                 )

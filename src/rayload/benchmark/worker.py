@@ -32,7 +32,10 @@ class RankSample:
 
     ``start_ns``/``end_ns`` are ``time.monotonic_ns()``, one clock for every process on the
     machine, so a case's wall time is ``max(end) - min(start)`` over its ranks.
-    ``bytes_read`` = ``rchar`` delta + file pages touched through memory maps.
+    ``bytes_read`` = ``rchar`` delta + file pages touched through memory maps; from object
+    storage, the bytes received from it instead (``storage_bytes``: sockets are read
+    with ``recv``, which ``rchar`` does not count, while ``rchar`` there is the client's
+    own files, botocore's service models, not the checkpoint's).
     ``rss_peak_delta`` = peak RSS during the case - RSS just before it; the returned
     tensors are still resident at the end, so it is at least ``host_shard_bytes``, the
     part of ``shard_bytes`` in host memory (all of it on CPU, none on a GPU).
@@ -43,6 +46,7 @@ class RankSample:
     end_ns: int = 0
     rchar_bytes: int = 0
     mapped_bytes: int = 0
+    storage_bytes: int | None = None
     rss_before: int = 0
     rss_peak: int = 0
     tensors: int = 0
@@ -60,6 +64,8 @@ class RankSample:
 
     @property
     def bytes_read(self) -> int:
+        if self.storage_bytes is not None:
+            return self.storage_bytes
         return self.rchar_bytes + self.mapped_bytes
 
     @property
@@ -73,6 +79,7 @@ class RankSample:
             "bytes_read": self.bytes_read,
             "rchar_bytes": self.rchar_bytes,
             "mapped_bytes": self.mapped_bytes,
+            "storage_bytes": self.storage_bytes,
             "rss_before": self.rss_before,
             "rss_peak_delta": self.rss_peak_delta,
             "tensors": self.tensors,
@@ -90,6 +97,11 @@ def preload() -> None:
     """Import everything a case may import, so that imports are not measured."""
     import fastsafetensors  # noqa: F401
     import safetensors.torch  # noqa: F401
+
+    try:
+        import boto3  # noqa: F401  (s3:// checkpoints)
+    except ImportError as exc:
+        log.debug("not preloading boto3: %s", exc)
 
     import rayload.loading
 
@@ -134,6 +146,7 @@ def _measure(job: RankJob, barrier: Any, barrier_timeout_s: float) -> RankSample
         end_ns=end,
         rchar_bytes=rchar_bytes,
         mapped_bytes=loaded.mapped_bytes,
+        storage_bytes=loaded.storage_bytes,
         rss_before=rss_before,
         rss_peak=rss_peak,
         tensors=len(loaded.tensors),

@@ -128,7 +128,10 @@ def add_commands(add: AddCommand) -> None:
         help=f"a short run: {listed(f'{k}={v}' for k, v in _QUICK.items())}",
     )
     p.add_argument(
-        "--checkpoint", metavar="DIR", help="benchmark this checkpoint instead of a generated one"
+        "--checkpoint",
+        metavar="DIR",
+        help="benchmark this checkpoint (a directory, or s3://bucket/prefix, read where it "
+        "is) instead of a generated one",
     )
     p.add_argument(
         "--workdir",

@@ -23,12 +23,13 @@ _deadline: tuple[float, float] | None = None
 
 
 @contextmanager
-def storage_deadline(timeout_s: float) -> Iterator[None]:
+def storage_deadline(timeout_s: float, *, of: float | None = None) -> Iterator[None]:
     """Within this block no storage request of this process (any thread) starts, nor
     retries, past ``timeout_s`` seconds from now: a load's ``--timeout`` bounds an
-    endpoint that does not answer."""
+    endpoint that does not answer. ``of``: the load's whole timeout, when ``timeout_s``
+    is what was left of it (a rank's), which errors name and time-outs derive from."""
     global _deadline
-    previous, _deadline = _deadline, (time.monotonic() + timeout_s, timeout_s)
+    previous, _deadline = _deadline, (time.monotonic() + timeout_s, timeout_s if of is None else of)
     try:
         yield
     finally:
@@ -36,8 +37,8 @@ def storage_deadline(timeout_s: float) -> Iterator[None]:
 
 
 def current_deadline() -> tuple[float, float] | None:
-    """The innermost :func:`storage_deadline`: (its ``time.monotonic()`` end, its
-    seconds), or None."""
+    """The innermost :func:`storage_deadline`: (its ``time.monotonic()`` end, the load's
+    timeout in seconds), or None."""
     return _deadline
 
 

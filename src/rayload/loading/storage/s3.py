@@ -19,8 +19,12 @@ Reads:
   attempts); a body cut short (reset, short read, time-out) is resumed from the first
   missing byte, with backoff and jitter, at most :data:`BODY_RETRIES` times. Both are
   counted. No attempt starts, and no back-off sleeps, past the deadline of the load
-  (:func:`~rayload.loading.storage.storage_deadline`, from ``--timeout``): an endpoint
-  that does not answer is an error within the load's timeout.
+  (:func:`~rayload.loading.storage.storage_deadline`, from ``--timeout``; a rank's from
+  its load request), and under a deadline each attempt's connect and read time-outs are
+  short enough (:func:`attempt_timeouts`) that no request, nor any read of a body, ends
+  past it: an endpoint that does not answer, or stops answering mid-load, is this
+  error within the load's timeout, on the driver as on each rank, never a rank that
+  outlives the load's wait.
 * a server that ignores ``Range`` and answers 200 with the whole object is refused
   before its body is read (nothing buffered).
 
@@ -102,7 +106,7 @@ class S3Storage(Storage):
     def __init__(self, bucket: str) -> None:
         self.bucket = bucket
         self._lock = threading.Lock()
-        self._client: Any = None
+        self._clients: dict[tuple[float, float], Any] = {}  # (connect, read) -> client
         self._endpoint = ""
         self._credential_source = ""
         self._pinned: dict[str, tuple[int, str]] = {}  # key -> (size, ETag)
@@ -203,6 +207,7 @@ class S3Storage(Storage):
         self.size(path)  # pins the version
         _, etag = self._pinned[key]
         client = self._get_client()
+        _, read_timeout = attempt_timeouts()
         pending = list(views)
         done = resumed = 0
         end = offset + size  # exclusive
@@ -219,7 +224,7 @@ class S3Storage(Storage):
             body = response["Body"]
             try:
                 self._check_range(path, response, start, end)
-                got, problem = _fill(body, pending)
+                got, problem = _fill(body, pending, read_timeout)
             except BaseException:
                 body.close()
                 raise
@@ -301,10 +306,15 @@ class S3Storage(Storage):
             self._listed = {p for p in self._listed if not (p + "/").startswith(prefix + "/")}
 
     def _get_client(self) -> Any:
+        """The client whose time-outs suit the current deadline (one per distinct pair,
+        so one per load's ``--timeout``: the connections are reused within a load)."""
+        timeouts = attempt_timeouts()
         with self._lock:
-            if self._client is None:
-                self._client, self._endpoint, self._credential_source = _make_client()
-            return self._client
+            client = self._clients.get(timeouts)
+            if client is None:
+                client, self._endpoint, self._credential_source = _make_client(*timeouts)
+                self._clients[timeouts] = client
+            return client
 
     def _call(self, path: str, fn: Any, **kwargs: Any) -> Any:
         """``fn(**kwargs)``, retried on throttling, 5xx and connection errors; its errors
@@ -345,22 +355,23 @@ class S3Storage(Storage):
         raise AssertionError("unreachable")
 
     def _back_off(self, path: str, retry: int, problem: str) -> None:
-        """Count retry number ``retry`` and sleep before it (full jitter), never past the
-        load's deadline."""
+        """Count retry number ``retry`` and sleep before it (full jitter); StorageError
+        instead when the deadline leaves no time for an attempt after the sleep."""
         with self._lock:
             self._retries += 1
         pause = random.uniform(0, min(_MAX_BACKOFF_S, 0.05 * 2**retry))
-        deadline = current_deadline()
-        if deadline is not None:
-            pause = min(pause, max(0.0, deadline[0] - time.monotonic()))
+        self._check_deadline(path, problem, after=pause)
         time.sleep(pause)
-        self._check_deadline(path, problem)
 
-    def _check_deadline(self, path: str, problem: str) -> None:
-        """StorageError when the load's deadline leaves no time for another attempt (a
-        connection may take ``_CONNECT_TIMEOUT_S``)."""
+    def _check_deadline(self, path: str, problem: str, *, after: float = 0.0) -> None:
+        """StorageError when the load's deadline leaves no time, ``after`` seconds from
+        now, for another attempt (its connection and its wait for an answer,
+        :func:`attempt_timeouts`, plus time for the error to reach the driver)."""
         deadline = current_deadline()
-        if deadline is None or deadline[0] - time.monotonic() > _CONNECT_TIMEOUT_S:
+        if deadline is None:
+            return
+        connect, read = attempt_timeouts()
+        if deadline[0] - time.monotonic() - after > connect + read + _slack(deadline[1]):
             return
         raise StorageError(
             f"{path}: no answer from the S3 endpoint {self._endpoint} within the load's "
@@ -422,15 +433,40 @@ class S3Storage(Storage):
         )
 
 
-def _fill(body: Any, pending: list[memoryview]) -> tuple[int, str]:
+def attempt_timeouts() -> tuple[float, float]:
+    """(connect, read) time-outs of one request, in seconds: 3 and 30 without a deadline;
+    under a deadline of T seconds (:func:`~rayload.loading.storage.storage_deadline`) a
+    sixth of T when shorter, so that an attempt started (and a body read resumed) while
+    the deadline leaves room for them both ends before it, however the server stalls."""
+    deadline = current_deadline()
+    if deadline is None:
+        return _CONNECT_TIMEOUT_S, _READ_TIMEOUT_S
+    read = round(min(_READ_TIMEOUT_S, max(0.25, deadline[1] / 6)), 3)
+    return min(_CONNECT_TIMEOUT_S, read), read
+
+
+def _slack(timeout_s: float) -> float:
+    """What a deadline of ``timeout_s`` keeps back after the last request or body read may
+    end: time for a rank's other reads to stop and its error to reach the driver before
+    the driver's own wait ends (a tenth of it, from 1 to 10 s)."""
+    return min(10.0, max(1.0, timeout_s / 10))
+
+
+def _fill(body: Any, pending: list[memoryview], read_timeout: float) -> tuple[int, str]:
     """Read ``body`` into ``pending`` (consumed in place) until full or the body ends;
-    the bytes read and, when it ended early, why."""
+    the bytes read and, when it ended early, why. Under a deadline, no read starts that
+    could block (``read_timeout``) past it: the body is left, and its resumption then
+    fails the deadline check."""
     import botocore.exceptions as bex
     import urllib3.exceptions as uex
 
+    deadline = current_deadline()
+    stop_at = None if deadline is None else deadline[0] - read_timeout - _slack(deadline[1])
     got = 0
     try:
         while pending:
+            if stop_at is not None and time.monotonic() > stop_at:
+                return got, "the load's deadline came mid-body"
             n = body.readinto(pending[0])
             if n == 0:
                 return got, "the body ended early"
@@ -444,7 +480,7 @@ def _fill(body: Any, pending: list[memoryview]) -> tuple[int, str]:
     return got, ""
 
 
-def _make_client() -> tuple[Any, str, str]:
+def _make_client(connect_timeout: float, read_timeout: float) -> tuple[Any, str, str]:
     """A boto3 S3 client from the standard AWS chain, its endpoint URL and where its
     credentials came from (never the credentials)."""
     try:
@@ -476,8 +512,8 @@ def _make_client() -> tuple[Any, str, str]:
     config = botocore.config.Config(
         region_name=session.region_name or "us-east-1",
         max_pool_connections=_MAX_POOL,
-        connect_timeout=_CONNECT_TIMEOUT_S,
-        read_timeout=_READ_TIMEOUT_S,
+        connect_timeout=connect_timeout,
+        read_timeout=read_timeout,
         retries={"mode": "standard", "total_max_attempts": 1},  # ours: S3Storage._call
         s3={"addressing_style": style},
         tcp_keepalive=True,
