@@ -22,7 +22,11 @@ Per worker and load, from its ``/proc/self/io`` around the call:
 
 * ``rchar``: bytes through ``read()``-family calls (rayload's reads; not ``mmap``);
 * ``read_bytes``: bytes the process made the disk deliver, page faults of a mapped file
-  included (what ``auto`` reads shows up here, not in ``rchar``);
+  and the kernel's readahead included (what ``auto`` reads shows up here, not in
+  ``rchar``). With every worker loading at once they share the page cache, so a page
+  counts for whichever worker faulted it first; at TP > 1 the bench therefore also loads
+  each format in one worker at a time (after the rounds, untimed) for what a worker
+  makes the disk read by itself;
 * ``Loading weights took``: the figure vLLM logs (``DefaultModelLoader``'s own counters;
   its line is logged once per process, so the bench reads the counters the line is made
   of) and rayload's loader logs (its load record's ``seconds``);
@@ -130,7 +134,7 @@ def _engine(checkpoint: Path, tp: int, rounds: int) -> dict[str, Any]:
     results = [line[len(RESULT) :] for line in log.splitlines() if line.startswith(RESULT)]
     if out.returncode or not results:
         sys.exit(f"tp {tp}: the engine failed (exit {out.returncode}):\n{log[-3000:]}")
-    return json.loads(results[-1])  # type: ignore[no-any-return]
+    return json.loads(results[-1])
 
 
 def _bind(tp: int) -> str:
