@@ -1,22 +1,39 @@
-"""Inside vLLM: ``load_format="rayload"`` vs vLLM's ``auto`` vs ``fastsafetensors``, one
-engine per sample, interleaved (R A F D, R A F D, ...) in one run, on one checkpoint.
+"""Inside vLLM: ``load_format="rayload"`` vs vLLM's ``auto`` vs ``fastsafetensors``, per
+worker, interleaved (A B C D, A B C D, ...) in one run, at TP 1 and TP 2 (issue #23).
 
-    .venv-vllm/bin/python benchmarks/vllm_load.py [--size-mb 350] [--tp 2] [--rounds 2]
+    PYTHONPATH=src .venv-vllm/bin/python benchmarks/vllm_load.py [--size-mb 350]
+        [--tp 1,2] [--rounds 3] [--json FILE]
 
-Each sample is a fresh process starting ``LLM(model=..., load_format=X,
-tensor_parallel_size=tp)`` (TP 2 through vLLM's mp executor) and reporting, per worker:
+One engine per TP size is started with ``load_format="dummy"`` (TP 2 through vLLM's mp
+executor, one CPU per worker). Then each round loads the checkpoint once per format in
+every worker at once (``collective_rpc``): vLLM's own ``load_model`` of that format's
+loader, building a fresh copy of the worker's model and filling it, exactly as the
+engine does at start-up (the engine's live model stays as it is). Before each load the
+checkpoint's pages are dropped from the page cache, file by file
+(``posix_fadvise(POSIX_FADV_DONTNEED)``), so every load reads from the disk.
 
-* ``rchar``: what the worker process read through ``read()``-family calls since it was
-  spawned, less the same figure of a ``load_format="dummy"`` engine of the same round
-  (``D``: the same imports and start-up, no weights read), so the difference is what the
-  weights cost. ``rchar`` does not see memory-mapped reads: vLLM's ``auto`` maps each
-  safetensors file and copies every tensor whole (``safe_open(...).get_tensor(name)``)
-  on every rank, so its bytes show up as page faults, not here.
-* vLLM's own ``Loading weights took X seconds`` line of each worker, and its ``Model
-  loading took ... seconds`` (model init + weights + post-processing).
-* for rayload, its load record's ``rchar`` over the load alone (``last_load()``).
+Formats: ``rayload`` (rayload's ``auto`` method: ``scratch`` on CPU), vLLM's ``auto``
+(``safe_open`` maps every file; each rank copies every tensor whole and keeps its part),
+vLLM's ``fastsafetensors``, and ``rayload[fastsafetensors]`` (``load_format="rayload"``
+with ``model_loader_extra_config={"method": "fastsafetensors"}``: the fastsafetensors
+library reading only the rank's tensors, on CPU).
 
-Prints a table of medians and the ratios to ``auto``; ``--json FILE`` keeps every sample.
+Per worker and load, from its ``/proc/self/io`` around the call:
+
+* ``rchar``: bytes through ``read()``-family calls (rayload's reads; not ``mmap``);
+* ``read_bytes``: bytes the process made the disk deliver, page faults of a mapped file
+  and the kernel's readahead included (what ``auto`` reads shows up here, not in
+  ``rchar``). With every worker loading at once they share the page cache, so a page
+  counts for whichever worker faulted it first; at TP > 1 the bench therefore also loads
+  each format in one worker at a time (after the rounds, untimed) for what a worker
+  makes the disk read by itself;
+* ``Loading weights took``: the figure vLLM logs (``DefaultModelLoader``'s own counters;
+  its line is logged once per process, so the bench reads the counters the line is made
+  of) and rayload's loader logs (its load record's ``seconds``);
+* ``load_model``: model init + weights + vLLM's post-processing.
+
+Prints, per TP size, the medians over rounds, each with its median ratio to ``auto`` of
+the same round; ``--json FILE`` keeps every sample.
 """
 
 from __future__ import annotations
@@ -24,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -32,43 +48,46 @@ import time
 from pathlib import Path
 from typing import Any
 
-FORMATS = ("rayload", "auto", "fastsafetensors", "dummy")
+FORMATS: dict[str, tuple[str, dict[str, str]]] = {
+    "rayload": ("rayload", {}),
+    "auto": ("auto", {}),
+    "fastsafetensors": ("fastsafetensors", {}),
+    "rayload[fastsafetensors]": ("rayload", {"method": "fastsafetensors"}),
+}
+"""Label -> (vLLM ``load_format``, ``model_loader_extra_config``), in the order of a round."""
 RESULT = "VLLM-BENCH-RESULT "
-_WORKER = r"\((?:Worker_TP(?P<rank>\d+)|MainProcess|EngineCore\S*) pid=\d+\)"
-LOADING_WEIGHTS = re.compile(_WORKER + r".*Loading weights took (?P<s>[\d.]+) seconds")
 _ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-"""1 GiB of KV cache; ``collective_rpc`` may send the probe (a function) to the workers."""
-MODEL_LOADING = re.compile(_WORKER + r".*Model loading took .*? and (?P<s>[\d.]+) seconds")
+"""1 GiB of KV cache; ``collective_rpc`` may send the load (a function) to the workers."""
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mb", type=int, default=350)
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tp", default="1,2", help="TP sizes, comma-separated")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workdir", default="/tmp/rayload-vllm-bench")
     parser.add_argument("--json", help="write every sample here")
-    parser.add_argument("--engine", help=argparse.SUPPRESS)  # the child: one engine of
-    parser.add_argument("--checkpoint", help=argparse.SUPPRESS)  # this checkpoint
+    parser.add_argument("--engine", type=int, help=argparse.SUPPRESS)  # the child: the
+    parser.add_argument("--checkpoint", help=argparse.SUPPRESS)  # engine of one TP size
     args = parser.parse_args()
     if args.engine:
-        _child(args.checkpoint, args.tp, args.engine)
+        _child(Path(args.checkpoint), args.engine, args.rounds)
         return
     checkpoint = _checkpoint(Path(args.workdir) / f"llama-{args.size_mb}mb", args.size_mb)
-    samples = []
-    for round_ in range(args.rounds):
-        for fmt in FORMATS:
-            sample = _sample(checkpoint, args.tp, fmt)
-            sample["round"] = round_
-            samples.append(sample)
-            print(
-                f"round {round_} {fmt:>16}: start-up {sample['startup_s']:.1f} s, "
-                f"weights {sample['loading_weights_s']} s",
-                flush=True,
-            )
+    load_before = os.getloadavg()
+    runs = [_engine(checkpoint, int(tp), args.rounds) for tp in args.tp.split(",")]
+    load_after = os.getloadavg()
     if args.json:
-        Path(args.json).write_text(json.dumps(samples, indent=1))
-    print(_table(samples, checkpoint, args.tp))
+        Path(args.json).write_text(json.dumps(runs, indent=1))
+    files = _files(checkpoint)
+    print(
+        f"checkpoint {checkpoint}: {len(files)} file(s), "
+        f"{sum(f.stat().st_size for f in files) / 1e6:.1f} MB; {args.rounds} rounds, "
+        f"interleaved; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
+        f"({len(os.sched_getaffinity(0))} CPUs)"
+    )
+    for run in runs:
+        print(_table(run))
 
 
 def _checkpoint(directory: Path, size_mb: int) -> Path:
@@ -97,52 +116,42 @@ def _checkpoint(directory: Path, size_mb: int) -> Path:
     return directory
 
 
-def _sample(checkpoint: Path, tp: int, fmt: str) -> dict[str, Any]:
-    started = time.perf_counter()
+def _files(checkpoint: Path) -> list[Path]:
+    return sorted(checkpoint.glob("*.safetensors"))
+
+
+def _engine(checkpoint: Path, tp: int, rounds: int) -> dict[str, Any]:
+    """Every round of one TP size, in a child process of its own (one vLLM engine)."""
+    command = [sys.executable, __file__, "--engine", str(tp), "--rounds", str(rounds)]
     out = subprocess.run(
-        [
-            sys.executable,
-            __file__,
-            "--engine",
-            fmt,
-            "--tp",
-            str(tp),
-            "--checkpoint",
-            str(checkpoint),
-        ],
+        [*command, "--checkpoint", str(checkpoint)],
         capture_output=True,
         text=True,
         check=False,
-        env={**os.environ, **_ENV, **_bind(tp)},
+        env={**os.environ, **_ENV, "VLLM_CPU_OMP_THREADS_BIND": _bind(tp)},
     )
     log = out.stdout + out.stderr
     results = [line[len(RESULT) :] for line in log.splitlines() if line.startswith(RESULT)]
     if out.returncode or not results:
-        sys.exit(f"{fmt}: the engine failed (exit {out.returncode}):\n{log[-3000:]}")
-    sample = json.loads(results[-1])
-    sample["process_s"] = time.perf_counter() - started
-    sample["loading_weights_s"] = _per_rank(LOADING_WEIGHTS, log)
-    sample["model_loading_s"] = _per_rank(MODEL_LOADING, log)
-    return sample
+        sys.exit(f"tp {tp}: the engine failed (exit {out.returncode}):\n{log[-3000:]}")
+    return json.loads(results[-1])
 
 
-def _bind(tp: int) -> dict[str, str]:
+def _bind(tp: int) -> str:
+    """One CPU per worker (TP 1: every CPU of this process)."""
     cpus = sorted(os.sched_getaffinity(0))
-    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cpus[r % len(cpus)]) for r in range(tp))}
+    if tp == 1:
+        return ",".join(map(str, cpus))
+    return "|".join(str(cpus[r % len(cpus)]) for r in range(tp))
 
 
-def _per_rank(pattern: re.Pattern[str], log: str) -> list[float]:
-    found = {int(m["rank"] or 0): float(m["s"]) for m in pattern.finditer(log)}
-    return [found[r] for r in sorted(found)]
-
-
-def _child(checkpoint: str, tp: int, fmt: str) -> None:
+def _child(checkpoint: Path, tp: int, rounds: int) -> None:
     from vllm import LLM
 
     started = time.perf_counter()
     llm = LLM(
-        model=checkpoint,
-        load_format=fmt,
+        model=str(checkpoint),
+        load_format="dummy",
         tensor_parallel_size=tp,
         distributed_executor_backend="mp" if tp > 1 else None,
         skip_tokenizer_init=True,
@@ -152,64 +161,145 @@ def _child(checkpoint: str, tp: int, fmt: str) -> None:
         max_num_seqs=1,
     )
     startup_s = time.perf_counter() - started
-    workers = llm.collective_rpc(_worker_reads)
-    print(RESULT + json.dumps({"format": fmt, "startup_s": startup_s, "workers": workers}))
+    samples = []
+    for round_ in range(rounds):
+        for label in FORMATS:
+            workers = _load(llm, checkpoint, label)
+            samples.append({"round": round_, "format": label, "workers": workers})
+            print(f"tp {tp} round {round_} {label}: {workers}", file=sys.stderr, flush=True)
+    alone = {}
+    if tp > 1:  # each worker by itself: what it makes the disk read with no one sharing
+        alone = {
+            label: [_load(llm, checkpoint, label, r)[r] for r in range(tp)] for label in FORMATS
+        }
+    result = {"tp": tp, "startup_s": startup_s, "samples": samples, "alone": alone}
+    print(RESULT + json.dumps(result), flush=True)
     llm.llm_engine.engine_core.shutdown()
 
 
-def _worker_reads(worker: Any) -> dict[str, Any]:
-    from rayload.integrations.vllm import last_load
-    from rayload.loading.probe import read_chars
+def _load(llm: Any, checkpoint: Path, label: str, only_rank: int | None = None) -> list[Any]:
+    """One load of format ``label`` in every worker (or ``only_rank``) at once, from a
+    cold page cache."""
+    for path in _files(checkpoint):
+        _drop_cached(path)
+    load_format, extra = FORMATS[label]
+    workers: list[Any] = llm.collective_rpc(_load_once, args=(load_format, extra, only_rank))
+    return workers
 
-    load = last_load()
+
+def _drop_cached(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _load_once(
+    worker: Any, load_format: str, extra: dict[str, str], only_rank: int | None = None
+) -> dict[str, Any]:
+    """Runs in each worker (``only_rank``: in that one, the others return at once):
+    vLLM's ``load_model`` of ``load_format`` into a fresh copy of the worker's model
+    (whose attention layers register under the live model's names in vLLM's forward
+    context, put back afterwards); what it read and how long it took."""
+    import dataclasses
+    import gc
+
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from rayload.integrations.vllm import last_load
+
+    rank = get_tensor_model_parallel_rank()
+    if only_rank is not None and rank != only_rank:
+        return {"rank": rank}
+    config = worker.vllm_config
+    load_config = dataclasses.replace(
+        config.load_config, load_format=load_format, model_loader_extra_config=dict(extra)
+    )
+    loader = get_model_loader(load_config)
+    context = config.compilation_config.static_forward_context
+    live = dict(context)
+    context.clear()
+    error = None
+    before = _proc_io()
+    started = time.perf_counter()
+    try:
+        with set_current_vllm_config(config):
+            model = loader.load_model(config, config.model_config)
+        del model
+    except Exception as exc:  # the sample records it: vLLM's fastsafetensors on CPU
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        context.clear()
+        context.update(live)
+    load_model_s = time.perf_counter() - started
+    after = _proc_io()
+    gc.collect()
+    record = last_load() if load_format == "rayload" else None
+    weights_s = (
+        record.seconds
+        if record is not None
+        else getattr(loader, "counter_after_loading_weights", 0.0)
+        - getattr(loader, "counter_before_loading_weights", 0.0)
+    )
     return {
-        "rchar": read_chars(),
-        "load_rchar": None if load is None else load.read_chars,
-        "shard_bytes": None if load is None else load.shard_bytes,
+        "rank": rank,
+        "error": error,
+        "rchar": after["rchar"] - before["rchar"],
+        "read_bytes": after["read_bytes"] - before["read_bytes"],
+        "weights_s": None if error else weights_s,
+        "load_model_s": None if error else load_model_s,
+        "shard_bytes": None if record is None else record.shard_bytes,
+        "method": None if record is None else record.report.method.effective.value,
     }
 
 
-def _table(samples: list[dict[str, Any]], checkpoint: Path, tp: int) -> str:
-    """Medians over rounds; weight bytes are each worker's rchar less dummy's of its round."""
-    dummy = {s["round"]: s for s in samples if s["format"] == "dummy"}
-    tensor_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
-    rows = {}
-    for fmt in FORMATS[:-1]:
-        mine = [s for s in samples if s["format"] == fmt]
-        weights = [
-            [
-                w["rchar"] - d["rchar"]
-                for w, d in zip(s["workers"], dummy[s["round"]]["workers"], strict=True)
-            ]
-            for s in mine
-        ]
-        rows[fmt] = {
-            "rchar_mb": [statistics.median(w[r] for w in weights) / 1e6 for r in range(tp)],
-            "weights_s": statistics.median(max(s["loading_weights_s"]) for s in mine),
-            "model_s": statistics.median(max(s["model_loading_s"]) for s in mine),
-            "startup_s": statistics.median(s["startup_s"] for s in mine),
-        }
-    base = rows["auto"]
+def _proc_io() -> dict[str, int]:
+    with open("/proc/self/io") as f:
+        return {key: int(value) for key, value in (line.split(": ") for line in f)}
+
+
+def _table(run: dict[str, Any]) -> str:
+    """Medians over rounds; each ratio is the median of the rounds' ratios to ``auto``."""
+    tp, samples = run["tp"], run["samples"]
+    auto = {s["round"]: s for s in samples if s["format"] == "auto"}
     lines = [
-        f"checkpoint {checkpoint} ({tensor_bytes / 1e6:.0f} MB of safetensors), tp {tp}, "
-        f"{len(dummy)} rounds (medians; ratios to auto)",
-        "| format | rchar per worker (MB, less dummy) | Loading weights took (s) | "
-        "Model loading took (s) | engine start-up (s) |",
-        "|---|---|---|---|---|",
+        f"\ntp {tp} (engine start-up {run['startup_s']:.0f} s with load_format='dummy'); "
+        "per worker rank 0 / rank 1 ...; times: the slowest worker",
+        "| format | rchar per worker (MB) | read_bytes per worker (MB), all at once | "
+        "read_bytes, each worker alone (MB) | Loading weights took (s) | load_model (s) |",
+        "|---|---|---|---|---|---|",
     ]
-    for fmt, row in rows.items():
-        lines.append(
-            f"| {fmt} | {' / '.join(f'{mb:.1f}' for mb in row['rchar_mb'])} | "
-            f"{row['weights_s']:.2f} ({row['weights_s'] / base['weights_s']:.2f}x) | "
-            f"{row['model_s']:.2f} ({row['model_s'] / base['model_s']:.2f}x) | "
-            f"{row['startup_s']:.1f} ({row['startup_s'] / base['startup_s']:.2f}x) |"
+    for label in FORMATS:
+        mine = [s for s in samples if s["format"] == label]
+        errors = {w["error"] for s in mine for w in s["workers"] if w["error"]}
+        if errors:
+            lines.append(f"| {label} | fails: {' / '.join(sorted(errors))} | | | | |")
+            continue
+        cells = [
+            " / ".join(
+                f"{statistics.median(s['workers'][r][key] for s in mine) / 1e6:.1f}"
+                for r in range(tp)
+            )
+            for key in ("rchar", "read_bytes")
+        ]
+        alone = run["alone"].get(label)
+        cells.append(
+            " / ".join(f"{w['read_bytes'] / 1e6:.1f}" for w in alone) if alone else "(tp 1)"
         )
+        for key in ("weights_s", "load_model_s"):
+            slowest = {s["round"]: max(w[key] for w in s["workers"]) for s in mine}
+            base = {r: max(w[key] for w in auto[r]["workers"]) for r in slowest}
+            ratio = statistics.median(slowest[r] / base[r] for r in slowest)
+            cells.append(f"{statistics.median(slowest.values()):.2f} ({ratio:.2f}x)")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     ray = [s for s in samples if s["format"] == "rayload"]
     shards = [w["shard_bytes"] / 1e6 for w in ray[0]["workers"]]
-    loads = [statistics.median(s["workers"][r]["load_rchar"] for s in ray) / 1e6 for r in range(tp)]
     lines.append(
-        f"rayload's own record: shard {' / '.join(f'{x:.1f}' for x in shards)} MB, rchar during "
-        f"the load {' / '.join(f'{x:.1f}' for x in loads)} MB per worker"
+        f"rayload's shard per worker: {' / '.join(f'{x:.1f}' for x in shards)} MB "
+        f"(method {ray[0]['workers'][0]['method']})"
     )
     return "\n".join(lines)
 
