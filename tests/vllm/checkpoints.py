@@ -7,6 +7,9 @@ fixed seed at a scale that gives O(1) logits, so that greedy tokens depend on ev
   vocabulary of 200, which vLLM pads to 256 and cuts 128 + 72 at tp 2 (not 100 + 100);
 * ``qwen2``: q/k/v biases, 2 KV heads, untied ``lm_head``;
 * ``mixtral``: 4 experts, top 2.
+
+:func:`write_changed` copies one with every tensor changed (for in-place reloads that
+must change an engine's answers).
 """
 
 from __future__ import annotations
@@ -90,3 +93,18 @@ FAMILIES: dict[str, Callable[[Path], Path]] = {
     "qwen2": write_qwen2,
     "mixtral": write_mixtral,
 }
+
+
+def write_changed(checkpoint: Path, out: Path) -> Path:
+    """``checkpoint`` copied to ``out`` with every tensor rolled by one row along its first
+    dimension: the same names, shapes and config, and every weight changed."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(checkpoint, out)
+    for file in checkpoint.glob("*.safetensors"):
+        tensors = load_file(file)
+        rolled = {name: torch.roll(t, 1, 0).contiguous() for name, t in tensors.items()}
+        save_file(rolled, out / file.name, metadata={"format": "pt"})
+    return out
