@@ -3,11 +3,17 @@ process one after the other: what each generated, and what each of its workers h
 
 :func:`run_engine` starts ``LLM(...)`` on a checkpoint at a TP size with one load format,
 generates greedily for :data:`PROMPTS` in one call, asks every worker
-:func:`worker_probe`, and shuts the engine down. The engine core runs in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by tests/vllm/conftest.py); TP 1's worker too,
-TP 2's two workers are spawned by vLLM's mp executor. Workers import this module by name
-(spawned processes get this process's ``sys.path``, ``tests/`` included), so the probe
-travels to them as a reference.
+:func:`worker_probe`, then (``reloads``) reloads the weights in place with vLLM's loader of
+a load format, from a checkpoint, and generates again after each, and shuts the engine
+down. The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by
+tests/vllm/conftest.py); TP 1's worker too, TP 2's two workers are spawned by vLLM's mp
+executor. Workers import this module by name (spawned processes get this process's
+``sys.path``, ``tests/`` included), so the probe travels to them as a reference.
+
+An in-place reload is vLLM's own (``Worker.reload_weights``, the weight-update path of RL
+frameworks): every parameter is loaded again from the loader's weights and vLLM's
+post-processing runs again, so one engine answers for two loaders, and two engines'
+start-ups (the TP 2 ones spawn workers that each import vLLM) become one.
 
 Parameters are compared *before* vLLM's post-processing: on CPU
 ``process_weights_after_loading`` packs every linear layer's weight into a oneDNN handle
@@ -24,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,8 +51,28 @@ ENGINE_ARGS: dict[str, Any] = {
 
 
 @dataclass(frozen=True)
+class Reload:
+    """An in-place reload of the engine's weights by vLLM's loader of ``load_format``,
+    from ``checkpoint`` (None: the engine's own)."""
+
+    load_format: str
+    checkpoint: str | None = None
+
+
+@dataclass(frozen=True)
+class Answers:
+    """Greedy answers to :data:`PROMPTS`: tokens and their top logprobs, per prompt.
+    ``tensors_read``: after a :class:`Reload`, the tensors each worker's reload read."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[dict[int, float]]]
+    tensors_read: list[int] | None = None
+
+
+@dataclass(frozen=True)
 class EngineRun:
-    """One engine's greedy answers and its workers' probes (rank order)."""
+    """One engine's greedy answers, its workers' probes (rank order), and its answers
+    after each of its reloads (in order)."""
 
     load_format: str
     tp: int
@@ -53,11 +80,19 @@ class EngineRun:
     logprobs: list[list[dict[int, float]]]
     workers: list[dict[str, Any]]
     startup_s: float
+    reloaded: tuple[Answers, ...] = ()
+
+    @property
+    def answers(self) -> Answers:
+        """The answers of the engine as it started."""
+        return Answers(self.tokens, self.logprobs)
 
 
-def run_engine(checkpoint: str, tp: int, load_format: str, **engine: Any) -> EngineRun:
-    """Start, generate, probe, stop (see the module docstring). Raises what ``LLM(...)``
-    raises, after cleaning up vLLM's process-wide state."""
+def run_engine(
+    checkpoint: str, tp: int, load_format: str, *, reloads: Sequence[Reload] = (), **engine: Any
+) -> EngineRun:
+    """Start, generate, probe, reload and generate again, stop (see the module docstring).
+    Raises what ``LLM(...)`` raises, after cleaning up vLLM's process-wide state."""
     from vllm.distributed import cleanup_dist_env_and_memory
 
     from vllm import LLM, SamplingParams
@@ -78,8 +113,16 @@ def run_engine(checkpoint: str, tp: int, load_format: str, **engine: Any) -> Eng
     startup_s = time.perf_counter() - started
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=LOGPROBS)
-        outputs = llm.generate([{"prompt_token_ids": list(p)} for p in PROMPTS], params)
+        prompts = [{"prompt_token_ids": list(p)} for p in PROMPTS]
+        answers = _answers(llm.generate(prompts, params))
         workers = llm.collective_rpc(worker_probe, args=(load_format == "rayload",))
+        reloaded = []
+        for reload in reloads:
+            read = llm.collective_rpc(worker_reload, args=(reload.load_format, reload.checkpoint))
+            # No answer may come from KV blocks the old weights computed.
+            llm.reset_prefix_cache()
+            again = _answers(llm.generate(prompts, params))
+            reloaded.append(dataclasses.replace(again, tensors_read=read))
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -88,14 +131,48 @@ def run_engine(checkpoint: str, tp: int, load_format: str, **engine: Any) -> Eng
     return EngineRun(
         load_format=load_format,
         tp=tp,
+        tokens=answers.tokens,
+        logprobs=answers.logprobs,
+        workers=workers,
+        startup_s=startup_s,
+        reloaded=tuple(reloaded),
+    )
+
+
+def _answers(outputs: Any) -> Answers:
+    return Answers(
         tokens=[list(o.outputs[0].token_ids) for o in outputs],
         logprobs=[
             [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]
             for o in outputs
         ],
-        workers=workers,
-        startup_s=startup_s,
     )
+
+
+def worker_reload(worker: Any, load_format: str, checkpoint: str | None) -> int:
+    """Runs in each worker: reload its weights in place (vLLM's ``reload_weights``) with
+    vLLM's loader of ``load_format`` from ``checkpoint`` (None: the model's); returns the
+    tensors the loader handed over."""
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    runner = worker.model_runner
+    model_config = runner.model_config
+    loader = get_model_loader(LoadConfig(load_format=load_format))
+    original, model_config.model = model_config.model, checkpoint or model_config.model
+    count = 0
+
+    def counted() -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal count
+        for item in loader.get_all_weights(model_config, runner.get_model()):
+            count += 1
+            yield item
+
+    try:
+        worker.reload_weights(weights_iterator=counted())
+    finally:
+        model_config.model = original
+    return count
 
 
 def worker_probe(worker: Any, compare: bool) -> dict[str, Any]:

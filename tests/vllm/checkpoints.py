@@ -9,6 +9,9 @@ gives O(1) logits, so that greedy tokens depend on every weight.
 * ``qwen2``: q/k/v biases, 2 KV heads, untied ``lm_head``, and a vocabulary of 201, which
   no TP size above 1 divides: vLLM pads it to 256 and cuts 128 + 73 at tp 2;
 * ``mixtral``: 4 experts, top 2.
+
+:func:`write_changed` copies one with every tensor changed (for in-place reloads that
+must change an engine's answers).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from support.transformers_models import write_model
 
@@ -75,3 +80,18 @@ FAMILIES: dict[str, Callable[[Path], Path]] = {
     "qwen2": write_qwen2,
     "mixtral": write_mixtral,
 }
+
+
+def write_changed(checkpoint: Path, out: Path) -> Path:
+    """``checkpoint`` copied to ``out`` with every tensor rolled by one row along its first
+    dimension: the same names, shapes and config, and every weight changed."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(checkpoint, out)
+    for file in checkpoint.glob("*.safetensors"):
+        tensors = load_file(file)
+        rolled = {name: torch.roll(t, 1, 0).contiguous() for name, t in tensors.items()}
+        save_file(rolled, out / file.name, metadata={"format": "pt"})
+    return out

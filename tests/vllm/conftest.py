@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -47,14 +48,30 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         )
 
 
-@pytest.fixture(scope="session")
-def vllm_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every family of checkpoints.py, written once: family -> directory (read-only)."""
+def _checkpoints() -> ModuleType:
+    """checkpoints.py, imported by path (tests/vllm is no package)."""
     spec = importlib.util.spec_from_file_location(
         "rayload_tests_vllm_checkpoints", Path(__file__).with_name("checkpoints.py")
     )
     assert spec is not None and spec.loader is not None
     checkpoints = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(checkpoints)
+    return checkpoints
+
+
+@pytest.fixture(scope="session")
+def vllm_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every family of checkpoints.py, written once: family -> directory (read-only)."""
     root = tmp_path_factory.mktemp("vllm-checkpoints")
-    return {family: write(root / family) for family, write in checkpoints.FAMILIES.items()}
+    return {family: write(root / family) for family, write in _checkpoints().FAMILIES.items()}
+
+
+@pytest.fixture(scope="session")
+def vllm_changed_checkpoints(
+    vllm_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """Every family's checkpoint with every tensor changed (checkpoints.write_changed):
+    family -> directory (read-only)."""
+    root = tmp_path_factory.mktemp("vllm-changed")
+    write = _checkpoints().write_changed
+    return {family: write(path, root / family) for family, path in vllm_checkpoints.items()}

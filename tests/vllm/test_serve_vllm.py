@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 import socket
 import sys
 import urllib.error
@@ -34,9 +33,8 @@ pytest.importorskip(
 pytest.importorskip("ray.serve", reason="Ray Serve (ray[serve]) is not installed")
 
 import ray
-import torch
 from ray import serve
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from rayload.tracing import schema
 
@@ -61,16 +59,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _rolled_copy(checkpoint: Path, out: Path) -> tuple[Path, int]:
-    """``checkpoint`` with every tensor rolled by one row (all weights change), and the
-    number of tensors."""
-    shutil.copytree(checkpoint, out)
-    tensors = load_file(checkpoint / "model.safetensors")
-    save_file({n: torch.roll(t, 1, 0).contiguous() for n, t in tensors.items()},
-              out / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
-    return out, len(tensors)
 
 
 @dataclass(frozen=True)
@@ -106,7 +94,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     checkpoints = _by_path("rayload_tests_vllm_checkpoints", HERE / "checkpoints.py")
     tmp = tmp_path_factory.mktemp("serve-vllm")
     checkpoint = checkpoints.write_llama_gqa(tmp / "llama")
-    rolled, tensors = _rolled_copy(checkpoint, tmp / "llama-rolled")
+    rolled = checkpoints.write_changed(checkpoint, tmp / "llama-changed")
+    tensors = len(load_file(checkpoint / "model.safetensors"))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="rayload-vllm")
     ray.cloudpickle.register_pickle_by_value(example)
     port = _free_port()

@@ -4,6 +4,13 @@
 vLLM traces its start-up to ``OTLP_ENDPOINT`` (``otlp_traces_endpoint``) and rayload's
 workers put their spans beside vLLM's and into ``TRACE_DIR``; ``OUT`` gets the greedy
 tokens of one prompt (JSON). Run in a fresh process: vLLM's tracer provider is global.
+
+The engine core runs in its own process, as ``vllm serve`` and ``LLM`` run it by default
+(``VLLM_ENABLE_V1_MULTIPROCESSING=1``, whatever the caller's environment says: the other
+tests/vllm modules run their cores in-process). That is the start-up vLLM traces as one
+trace, under "SyncMPClient init". vLLM 0.32's in-process core (``InprocClient``) has no
+span around its start-up: "Executor init" (the workers' spans, rayload's among them) and
+"Prepare model" are two roots, of two traces.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     main()

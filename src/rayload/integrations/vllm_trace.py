@@ -22,7 +22,9 @@ Where the spans go, both when configured:
 Which trace: vLLM 0.32 traces its own start-up when it has an endpoint ("SyncMPClient
 init" or "Overall Loading" in the engine process, then "EngineCoreProc init", "Executor
 init", each worker's "Worker init", "Loading (CPU)"/"Loading (GPU)", "Load model"), and
-propagates its context to the workers through ``traceparent`` in their environment. The
+propagates its context to the workers through ``traceparent`` in their environment (with
+its core in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, no span encloses the start-up:
+"Executor init", the workers' spans under it, and "Prepare model" are two traces). The
 worker's current span at load time is then vLLM's "Load model", and ``rank.load`` is its
 child. When the engine's config asks for tracing (its endpoint or ``trace_dir``), rank 0
 broadcasts its parent over vLLM's TP group; a worker whose own context is of another
