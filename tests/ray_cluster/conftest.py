@@ -28,6 +28,7 @@ import pytest
 import ray
 from ray.util.state import list_actors
 
+import rayload
 from rayload.actors.directory import DIRECTORY_NAME
 
 FAKE_GPUS = 4
@@ -118,6 +119,10 @@ def no_leaks(ray_cluster: RayCluster) -> Iterator[ClusterState]:
     polls for a short while before it fails."""
     before = ClusterState.now(ray_cluster.state_address)
     yield before
+    _assert_no_leaks(ray_cluster, before)
+
+
+def _assert_no_leaks(ray_cluster: RayCluster, before: ClusterState) -> None:
     after = ClusterState.now(ray_cluster.state_address)
     for _ in range(50):
         if after.actors <= before.actors and after.groups <= before.groups:
@@ -175,6 +180,37 @@ def read_trace(trace_dir: Path) -> list[SpanView]:
 @pytest.fixture
 def trace_reader() -> Callable[[Path], list[SpanView]]:
     return read_trace
+
+
+SKEW_NS = 5_000_000_000
+"""How far ahead rank 1's clock runs in ``skewed_load``."""
+
+
+@dataclass(frozen=True)
+class SkewedLoad:
+    """One traced TP=2 ``scratch`` load of ``tiny_llama`` whose rank 1 clock runs
+    ``SKEW_NS`` ahead: its spans and rank 1's own report."""
+
+    spans: list[SpanView]
+    rank_1: Any
+    skew_ns: int = SKEW_NS
+
+
+@pytest.fixture(scope="package")
+def skewed_load(
+    ray_cluster: RayCluster, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> SkewedLoad:
+    """Shared by the trace tests (test_trace.py, test_spawn_spans.py) that read one load's
+    trace: a load costs seconds of actor start-up, and the skew changes nothing they check
+    but the clocks (which they check)."""
+    trace_dir = tmp_path_factory.mktemp("skewed-trace")
+    before = ClusterState.now(ray_cluster.state_address)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAYLOAD_TEST_HOOKS", json.dumps({"clock_skew_ns": {"1": SKEW_NS}}))
+        with rayload.load(tiny_llama, 2, method="scratch", device="cpu", trace_dir=trace_dir) as r:
+            rank_1 = r.ranks[1]
+    _assert_no_leaks(ray_cluster, before)
+    return SkewedLoad(spans=read_trace(trace_dir), rank_1=rank_1)
 
 
 @pytest.fixture
