@@ -240,6 +240,34 @@ def serve_example(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return module
 
 
+@dataclass(frozen=True)
+class ServeInstance:
+    """Ray Serve running on the session cluster, its HTTP proxy on ``port``."""
+
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/"
+
+
+@pytest.fixture(scope="package")
+def serve_instance(ray_cluster: RayCluster) -> Iterator[ServeInstance]:
+    """Ray Serve, started once for every Serve test here (its controller and proxy take
+    seconds to start and to stop) and shut down after the package's last test: the
+    shutdown must leave no actor or placement group but those there before Serve started.
+    Each test deletes the applications it ran (``serve.delete``), so what a deleted app
+    leaves behind is the test's leak."""
+    from ray import serve
+
+    before = ClusterState.now(ray_cluster.state_address)
+    instance = ServeInstance(port=free_port())
+    serve.start(http_options={"host": "127.0.0.1", "port": instance.port})
+    yield instance
+    serve.shutdown()
+    _assert_no_leaks(ray_cluster, before)
+
+
 @pytest.fixture
 def unused_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
