@@ -16,7 +16,12 @@
 * ``fresh_demo``: one ``python -m rayload.cli demo`` in a fresh process (no ``RAY_*`` in
   its environment, so it starts and stops its own Ray) and the trace it wrote. Session-
   scoped: its exit, stderr and trace are read by tests/ray_cluster/test_cli_load.py and
-  tests/tracing/test_demo_trace.py; one run instead of one each (~20 s).
+  tests/tracing/test_demo_trace.py; one run instead of one each (~20 s), in the background.
+* ``background_runs``: the slow self-contained child processes (``BACKGROUND_RUNS``: the
+  demo, the four-node cluster, ``ray job submit``, the peer and start-up benchmarks' quick
+  runs) started at the session's start and run one after the other while the suite goes
+  on (tests/support/background.py). A run starts only if a selected test uses the fixture
+  it is named after, and those tests run last.
 
 The fast loop (``make test-fast`` = ``pytest --fast``) deselects the tests marked ``slow``,
 ``ray`` (every test under tests/ray_cluster is marked here) and ``browser``, and keeps the
@@ -31,7 +36,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -43,6 +47,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rayload.loading.synthetic import write_checkpoint
+from support.background import BackgroundRuns, Run
 from support.cli import FreshDemo
 from support.s3 import s3_environment
 
@@ -53,8 +58,35 @@ os.environ.update(s3_environment())
 MIXED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.int32)
 FAST_SKIPS = ("slow", "ray", "browser")
 """The markers ``--fast`` deselects."""
-_RAY_PACKAGE = Path(__file__).parent / "ray_cluster"
+_TESTS = Path(__file__).parent
+_RAY_PACKAGE = _TESTS / "ray_cluster"
 _FAST_RAY_DIR = pytest.StashKey[str]()
+_BACKGROUND = pytest.StashKey[BackgroundRuns]()
+_KEEP_RAY_TMPDIR = ("RAY_TMPDIR",)
+
+BACKGROUND_RUNS = {
+    "fresh_demo": Run(lambda _: [sys.executable, "-m", "rayload.cli", "demo"]),
+    "quick_run": Run(
+        lambda d: [
+            *(sys.executable, "-m", "rayload.cli", "bench", "--replicas", "1", "2", "--quick"),
+            *("--out", str(d / "out"), "--workdir", str(d / "work")),
+        ],
+        keep_env=_KEEP_RAY_TMPDIR,
+    ),
+    "startup_result": Run(
+        lambda d: [sys.executable, str(_TESTS / "benchmark" / "startup_script.py"), str(d)],
+        keep_env=_KEEP_RAY_TMPDIR,
+    ),
+    "job_submit_run": Run(
+        lambda d: [sys.executable, str(_RAY_PACKAGE / "job_submit_script.py"), str(d)]
+    ),
+    "multinode": Run(
+        lambda _: [sys.executable, str(_RAY_PACKAGE / "multinode_script.py")],
+        keep_env=_KEEP_RAY_TMPDIR,
+    ),
+}
+"""The background runs, each named after the fixture that reads it (its tests: where that
+fixture is defined)."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -72,9 +104,13 @@ def pytest_configure(config: pytest.Config) -> None:
         ray_dir = tempfile.mkdtemp(prefix="rl-fast-")
         config.stash[_FAST_RAY_DIR] = ray_dir
         os.environ["RAY_TMPDIR"] = ray_dir
+    config.stash[_BACKGROUND] = BackgroundRuns(BACKGROUND_RUNS, os.environ)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    background = config.stash.get(_BACKGROUND, None)
+    if background is not None:
+        background.stop()
     ray_dir = config.stash.get(_FAST_RAY_DIR, None)
     if ray_dir is not None:
         shutil.rmtree(ray_dir, ignore_errors=True)
@@ -84,11 +120,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.is_relative_to(_RAY_PACKAGE):
             item.add_marker(pytest.mark.ray)
-    if not config.getoption("--fast"):
+    if config.getoption("--fast"):
+        keep = [i for i in items if not any(i.get_closest_marker(m) for m in FAST_SKIPS)]
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
+    # Tests reading a background run go last, in their order: the runs overlap the rest.
+    waiting = [i for i in items if set(BACKGROUND_RUNS) & set(getattr(i, "fixturenames", ()))]
+    moved = set(waiting)
+    items[:] = [i for i in items if i not in moved] + waiting
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session: pytest.Session) -> None:
+    """Start the background runs the selected tests read, in the order they are read."""
+    if session.config.option.collectonly:
         return
-    keep = [i for i in items if not any(i.get_closest_marker(m) for m in FAST_SKIPS)]
-    config.hook.pytest_deselected(items=[i for i in items if i not in keep])
-    items[:] = keep
+    needed: list[str] = []
+    for item in session.items:
+        for name in getattr(item, "fixturenames", ()):
+            if name in BACKGROUND_RUNS and name not in needed:
+                needed.append(name)
+    session.config.stash[_BACKGROUND].start(needed)
+
+
+@pytest.fixture(scope="session")
+def background_runs(pytestconfig: pytest.Config) -> BackgroundRuns:
+    return pytestconfig.stash[_BACKGROUND]
 
 
 @pytest.fixture(autouse=True)
@@ -281,18 +338,8 @@ def make_converted() -> Callable[[Path, Path, int], Path]:
 
 
 @pytest.fixture(scope="session")
-def fresh_demo(tmp_path_factory: pytest.TempPathFactory) -> FreshDemo:
+def fresh_demo(background_runs: BackgroundRuns) -> FreshDemo:
     """``rayload demo`` (its default trace directory) from a fresh process: a process of
     its own because the demo must start and stop its own Ray, whatever this one runs."""
-    cwd = tmp_path_factory.mktemp("fresh-demo")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    run = subprocess.run(
-        [sys.executable, "-m", "rayload.cli", "demo"],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    return FreshDemo(run=run, trace_dir=cwd / "rayload-demo-traces")
+    done = background_runs.result("fresh_demo")
+    return FreshDemo(run=done.run, trace_dir=done.workdir / "rayload-demo-traces")

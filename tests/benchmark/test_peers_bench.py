@@ -1,5 +1,6 @@
 """``rayload bench --replicas``: the peer benchmark's quick mode runs on a local 2-node
-Cluster (in a child interpreter) and writes its JSON and table with every figure; figures
+Cluster (in a child interpreter, the ``rayload bench`` command started in the background at
+the session's start) and writes its JSON and table with every figure; figures
 are checked for presence and consistency, never for speed."""
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import pytest
 
 from rayload.benchmark.peer_cluster import EXACT_SHAPE, exact_shape
 from rayload.benchmark.peers import PeerBenchConfig
-from rayload.cli import main
 from rayload.errors import ConfigError
 from rayload.loading.reader.reads import GATHER_GAP
+from support.background import BackgroundRuns
 
 
 def test_exact_shape_split_rows_are_a_page_apart_at_tp_2() -> None:
@@ -35,15 +36,13 @@ def test_config_needs_a_node_per_replica() -> None:
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
-    out = tmp_path_factory.mktemp("peers-bench")
-    work = tmp_path_factory.mktemp("peers-work")
-    code = main(
-        ["bench", "--replicas", "1", "2", "--quick", "--out", str(out), "--workdir", str(work)]
-    )
-    assert code == 0
-    (json_path,) = out.glob("bench-*.json")
-    (md_path,) = out.glob("bench-*.md")
+def quick_run(background_runs: BackgroundRuns) -> tuple[dict[str, Any], str]:
+    """``rayload bench --replicas 1 2 --quick --out OUT --workdir WORK`` (a background run:
+    tests/conftest.py)."""
+    done = background_runs.result("quick_run")
+    assert done.run.returncode == 0, done.run.stderr[-4000:]
+    (json_path,) = (done.workdir / "out").glob("bench-*.json")
+    (md_path,) = (done.workdir / "out").glob("bench-*.md")
     assert json_path.stem == md_path.stem
     return json.loads(json_path.read_text()), md_path.read_text()
 

@@ -1,8 +1,10 @@
 """Timing whole ``rayload.load`` calls, the start-up floor and reload, on a real local Ray
-(in a child interpreter). Figures are checked for shape and consistency, never for speed."""
+(in a child interpreter, started in the background at the session's start). Figures are
+checked for shape and consistency, never for speed."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,16 +13,20 @@ import pytest
 from rayload.benchmark import write_report
 from rayload.benchmark.render import start_up_table
 from rayload.benchmark.startfloor import SPAWN_PARTS
-from rayload.benchmark.startup import PARTS, measure_startup
+from rayload.benchmark.startup import PARTS
 from rayload.benchmark.summary import to_jsonable
 from rayload.benchmark.targets import start_up_targets, targets
 from rayload.tracing import schema
+from support.background import BackgroundRuns
 
 
 @pytest.fixture(scope="module")
-def startup_result(bench_checkpoint: Path) -> dict[str, Any]:
-    """The quick mode: TP 2, one repetition of each measurement, floor included."""
-    return measure_startup(str(bench_checkpoint), 2, repeat=1)
+def startup_result(background_runs: BackgroundRuns) -> dict[str, Any]:
+    """The quick mode: TP 2, one repetition of each measurement, floor included, through
+    ``measure_startup`` (startup_script.py, a background run: tests/conftest.py)."""
+    done = background_runs.result("startup_result").run
+    assert done.returncode == 0, done.stderr[-4000:]
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 @pytest.mark.slow

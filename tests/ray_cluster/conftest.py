@@ -28,6 +28,7 @@ import pytest
 import ray
 from ray.util.state import list_actors
 
+import rayload
 from rayload.actors.directory import DIRECTORY_NAME
 
 FAKE_GPUS = 4
@@ -118,6 +119,10 @@ def no_leaks(ray_cluster: RayCluster) -> Iterator[ClusterState]:
     polls for a short while before it fails."""
     before = ClusterState.now(ray_cluster.state_address)
     yield before
+    _assert_no_leaks(ray_cluster, before)
+
+
+def _assert_no_leaks(ray_cluster: RayCluster, before: ClusterState) -> None:
     after = ClusterState.now(ray_cluster.state_address)
     for _ in range(50):
         if after.actors <= before.actors and after.groups <= before.groups:
@@ -177,6 +182,37 @@ def trace_reader() -> Callable[[Path], list[SpanView]]:
     return read_trace
 
 
+SKEW_NS = 5_000_000_000
+"""How far ahead rank 1's clock runs in ``skewed_load``."""
+
+
+@dataclass(frozen=True)
+class SkewedLoad:
+    """One traced TP=2 ``scratch`` load of ``tiny_llama`` whose rank 1 clock runs
+    ``SKEW_NS`` ahead: its spans and rank 1's own report."""
+
+    spans: list[SpanView]
+    rank_1: Any
+    skew_ns: int = SKEW_NS
+
+
+@pytest.fixture(scope="package")
+def skewed_load(
+    ray_cluster: RayCluster, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> SkewedLoad:
+    """Shared by the trace tests (test_trace.py, test_spawn_spans.py) that read one load's
+    trace: a load costs seconds of actor start-up, and the skew changes nothing they check
+    but the clocks (which they check)."""
+    trace_dir = tmp_path_factory.mktemp("skewed-trace")
+    before = ClusterState.now(ray_cluster.state_address)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAYLOAD_TEST_HOOKS", json.dumps({"clock_skew_ns": {"1": SKEW_NS}}))
+        with rayload.load(tiny_llama, 2, method="scratch", device="cpu", trace_dir=trace_dir) as r:
+            rank_1 = r.ranks[1]
+    _assert_no_leaks(ray_cluster, before)
+    return SkewedLoad(spans=read_trace(trace_dir), rank_1=rank_1)
+
+
 @pytest.fixture
 def set_test_hooks(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
     """``set_test_hooks(fault={...}, clock_skew_ns={...})`` sets ``RAYLOAD_TEST_HOOKS`` for
@@ -202,6 +238,34 @@ def serve_example(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     # Workers cannot import a module loaded from a path: ship its code by value.
     ray.cloudpickle.register_pickle_by_value(module)
     return module
+
+
+@dataclass(frozen=True)
+class ServeInstance:
+    """Ray Serve running on the session cluster, its HTTP proxy on ``port``."""
+
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/"
+
+
+@pytest.fixture(scope="package")
+def serve_instance(ray_cluster: RayCluster) -> Iterator[ServeInstance]:
+    """Ray Serve, started once for every Serve test here (its controller and proxy take
+    seconds to start and to stop) and shut down after the package's last test: the
+    shutdown must leave no actor or placement group but those there before Serve started.
+    Each test deletes the applications it ran (``serve.delete``), so what a deleted app
+    leaves behind is the test's leak."""
+    from ray import serve
+
+    before = ClusterState.now(ray_cluster.state_address)
+    instance = ServeInstance(port=free_port())
+    serve.start(http_options={"host": "127.0.0.1", "port": instance.port})
+    yield instance
+    serve.shutdown()
+    _assert_no_leaks(ray_cluster, before)
 
 
 @pytest.fixture

@@ -31,6 +31,10 @@ HANG_ON_READ = {"fault": {"rank": 1, "phase": "rank.read", "action": "hang", "se
 
 pytestmark = pytest.mark.slow
 
+IDLE_WINDOW_S = 10
+"""How long the waiting driver's CPU time is measured: ten of the wait's 1 s head probes
+(rayload.cluster.PROBE_INTERVAL_S); a driver that spins uses a whole core in any window."""
+
 _STATE_SCRIPT = """
 import json, logging, sys
 import ray
@@ -268,7 +272,7 @@ def test_driver_waiting_on_hung_rank_idles_and_killed_leaves_nothing(
     _wait_for_line(proc, "rank actor(s) started", timeout_s=90)
     driver = psutil.Process(proc.pid)
     before, start = driver.cpu_times(), time.monotonic()
-    time.sleep(20)
+    time.sleep(IDLE_WINDOW_S)
     after, waited = driver.cpu_times(), time.monotonic() - start
     used = (after.user + after.system - before.user - before.system) / waited
     print(f"measured: driver waiting on a hung rank used {used:.2%} of a core over {waited:.0f} s")

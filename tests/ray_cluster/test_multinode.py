@@ -1,6 +1,6 @@
 """Several nodes, on one local cluster of four workers (``ray.cluster_utils.Cluster``, run
-in a subprocess because a process gets one ``ray.init``; ``multinode_script.py`` says what
-runs in which order):
+in a child process because a process gets one ``ray.init``, started in the background at
+the session's start; ``multinode_script.py`` says what runs in which order):
 
 * peers: 4 replicas of TP=2 started together read the checkpoint from storage once in all,
   measured from the ranks' ``rchar``, and every replica holds bit-identical tensors (no
@@ -12,26 +12,20 @@ runs in which order):
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-SCRIPT = Path(__file__).with_name("multinode_script.py")
+from support.background import BackgroundRuns
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def multinode() -> dict[str, Any]:
-    # Not the Ray of this test session (RAY_ADDRESS and the like), but its temp directory.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY") or k == "RAY_TMPDIR"}
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=600
-    )
+def multinode(background_runs: BackgroundRuns) -> dict[str, Any]:
+    # A background run (tests/conftest.py): not the Ray of this test session, but its
+    # RAY_TMPDIR.
+    run = background_runs.result("multinode").run
     assert run.returncode == 0, run.stderr[-4000:]
     return dict(json.loads(run.stdout.strip().splitlines()[-1]))
 

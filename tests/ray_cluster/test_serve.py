@@ -1,8 +1,9 @@
 """examples/serve_deployment.py under Ray Serve on the session cluster: the replica's ranks
 run in the replica's own placement group, an HTTP GET returns the startup metrics and trace
 id, a POST answers the next-token top 5 of the TP forward over the ranks (held to
-transformers on the same float32 checkpoint), a bad body is a 400, and ``serve.shutdown()``
-leaves no actor or placement group behind. Autoscaled from 1 to 3 replicas under traffic
+transformers on the same float32 checkpoint), a bad body is a 400, and deleting the app
+leaves no actor or placement group behind (on the package's one Serve: ``serve_instance``,
+whose shutdown must leave nothing either). Autoscaled from 1 to 3 replicas under traffic
 (which stops once Serve has chosen 3, so the new replicas start without forwards competing
 for the CPU), the new replicas receive every shard from the first through the peer
 directory and read no checkpoint bytes; deleting the app leaves no rank actor or placement
@@ -57,10 +58,13 @@ def _transformers_top5(checkpoint: Path, token_ids: list[int]) -> list[int]:
 
 
 def test_serve_replica_loads_into_its_placement_group_and_answers_top5(
-    serve_example: ModuleType, f32_llama: Path, ray_cluster: Any, unused_port: int, no_leaks: object
+    serve_example: ModuleType,
+    f32_llama: Path,
+    ray_cluster: Any,
+    serve_instance: Any,
+    no_leaks: object,
 ) -> None:
-    url = f"http://127.0.0.1:{unused_port}/"
-    serve.start(http_options={"host": "127.0.0.1", "port": unused_port})
+    url = serve_instance.url
     try:
         load = {"path": str(f32_llama), "tp_size": 2, "device": "cpu"}
         app = serve_example.build_app({"load": load})
@@ -93,7 +97,7 @@ def test_serve_replica_loads_into_its_placement_group_and_answers_top5(
         assert replica.placement_group_id is not None
         assert {a.placement_group_id for a in ranks} == {replica.placement_group_id}
     finally:
-        serve.shutdown()
+        serve.delete("rayload-test")
 
 
 def _replicas(app: str, *states: str) -> int:
@@ -127,12 +131,11 @@ def test_serve_scale_up_from_1_to_3_replicas_loads_the_new_ones_from_the_first(
     serve_example: ModuleType,
     tiny_llama: Path,
     ray_cluster: Any,
-    unused_port: int,
+    serve_instance: Any,
     no_leaks: Any,
 ) -> None:
-    url, app = f"http://127.0.0.1:{unused_port}/", "rayload-scale"
+    url, app = serve_instance.url, "rayload-scale"
     state = ray_cluster.state_address
-    serve.start(http_options={"host": "127.0.0.1", "port": unused_port})
     stop, statuses = threading.Event(), []
     try:
         built = serve_example.build_app(
@@ -204,4 +207,4 @@ def test_serve_scale_up_from_1_to_3_replicas_loads_the_new_ones_from_the_first(
             time.sleep(0.5)
     finally:
         stop.set()
-        serve.shutdown()
+        serve.delete(app)

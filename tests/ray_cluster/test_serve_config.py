@@ -1,6 +1,7 @@
 """examples/serve_config.yaml through Serve's own command line on the session cluster:
 ``serve run --non-blocking`` and ``serve deploy`` each bring the application up (two
-ranks in the replica's placement group, a POST answered); a config whose
+ranks in the replica's placement group, a POST answered; on the package's one Serve,
+``serve_instance``, whose HTTP port the config names); a config whose
 ``args.load.tp_size`` is bad fails the deploy with one line naming the field, and no
 replica or rank actor starts."""
 
@@ -81,9 +82,9 @@ def _actors(state_address: str, *prefixes: str) -> list[str]:
 
 
 def test_serve_config_yaml_runs_and_deploys_and_a_bad_arg_is_one_deploy_error(
-    f32_llama: Path, ray_cluster: Any, unused_port: int, tmp_path: Path, no_leaks: object
+    f32_llama: Path, ray_cluster: Any, serve_instance: Any, tmp_path: Path, no_leaks: object
 ) -> None:
-    url = f"http://127.0.0.1:{unused_port}/"
+    url, port = serve_instance.url, serve_instance.port
     gcs = ray.get_runtime_context().gcs_address
     try:
         _serve_cli(
@@ -91,13 +92,13 @@ def test_serve_config_yaml_runs_and_deploys_and_a_bad_arg_is_one_deploy_error(
             "--address",
             gcs,
             "--non-blocking",
-            str(_config(tmp_path, f32_llama, unused_port)),
+            str(_config(tmp_path, f32_llama, port)),
         )
         _wait_for("RUNNING")
         _answers(url)
         serve.delete(APP)
 
-        bad = _config(tmp_path, f32_llama, unused_port, tp_size="two")
+        bad = _config(tmp_path, f32_llama, port, tp_size="two")
         _serve_cli("deploy", "--address", ray_cluster.state_address, str(bad))
         failed = _wait_for("DEPLOY_FAILED")
         message = failed.message.strip()
@@ -108,9 +109,9 @@ def test_serve_config_yaml_runs_and_deploys_and_a_bad_arg_is_one_deploy_error(
         assert reason == "rayload Serve args: tp_size must be a positive integer, got 'two'"
         assert _actors(ray_cluster.state_address, "ServeReplica", "RankActor") == []
 
-        good = _config(tmp_path, f32_llama, unused_port)
+        good = _config(tmp_path, f32_llama, port)
         _serve_cli("deploy", "--address", ray_cluster.state_address, str(good))
         _wait_for("RUNNING")
         _answers(url)
     finally:
-        serve.shutdown()
+        serve.delete(APP)

@@ -4,7 +4,8 @@ the session cluster, its replica actor killed the way Serve's docs simulate a re
 Within 30 s the old replica's rank actors are dead (fate sharing: the replica owns them) and
 its placement group is removed (Serve's controller, on seeing the replica gone). Serve may
 start a new replica that loads again; only the old actors and group must be gone. After
-``serve.shutdown()`` nothing of the test is left."""
+``serve.delete`` nothing of the test is left (on the package's one Serve:
+``serve_instance``)."""
 
 from __future__ import annotations
 
@@ -53,10 +54,9 @@ def test_killed_serve_replica_leaves_no_rank_actor_and_no_placement_group(
     serve_example: ModuleType,
     checkpoint: Path,
     ray_cluster: Any,
-    unused_port: int,
+    serve_instance: Any,
     no_leaks: object,
 ) -> None:
-    serve.start(http_options={"host": "127.0.0.1", "port": unused_port})
     try:
         load = {"path": str(checkpoint), "tp_size": 2, "device": "cpu"}
         serve.run(
@@ -112,4 +112,4 @@ def test_killed_serve_replica_leaves_no_rank_actor_and_no_placement_group(
         ]
         print(f"measured: replacement replica(s) after the cleanup: {starting}")
     finally:
-        serve.shutdown()
+        serve.delete("rayload-faults")

@@ -1,15 +1,14 @@
 """Every second of a rank actor's start-up is named: ``rayload.spawn`` has children that
-cover it, on the driver's clock, and the clock-offset round trips are spans of their own."""
+cover it, on the driver's clock, and the clock-offset round trips are spans of their own
+(on the trace of ``skewed_load``, the load test_trace.py reads too)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
-import rayload
 from rayload.tracing import schema
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -28,17 +27,8 @@ def _covered_ns(children: Sequence[Any]) -> int:
     return covered
 
 
-def test_spawn_spans_have_children_covering_them_on_the_driver_clock(
-    tiny_llama: Path,
-    tmp_path: Path,
-    set_test_hooks: Callable[..., None],
-    trace_reader: Callable[[Path], list[Any]],
-    no_leaks: object,
-) -> None:
-    set_test_hooks(clock_skew_ns={"1": 5_000_000_000})
-    with rayload.load(tiny_llama, 2, method="scratch", device="cpu", trace_dir=tmp_path):
-        pass
-    spans = trace_reader(tmp_path)
+def test_spawn_spans_have_children_covering_them_on_the_driver_clock(skewed_load: Any) -> None:
+    spans = skewed_load.spans  # rank 1's clock runs 5 s ahead
     spawns = {s.rank: s for s in spans if s.name == schema.SPAWN_SPAN}
     assert set(spawns) == {0, 1}
     for rank, spawn in spawns.items():
@@ -67,5 +57,5 @@ def test_spawn_spans_have_children_covering_them_on_the_driver_clock(
         }
     syncs = {s.rank: s for s in spans if s.name == schema.CLOCK_SYNC_SPAN}
     assert set(syncs) == {0, 1}
-    assert abs(syncs[1].attributes["rayload.clock_offset_ms"] - 5000) < 1000
+    assert abs(syncs[1].attributes["rayload.clock_offset_ms"] - skewed_load.skew_ns / 1e6) < 1000
     assert syncs[0].attributes["rayload.rounds"] >= 1

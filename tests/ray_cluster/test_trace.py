@@ -1,10 +1,10 @@
 """The startup trace of a real load: every driver and rank span in one trace, and rank spans
-moved onto the driver's clock even when a rank's clock runs seconds ahead."""
+moved onto the driver's clock even when a rank's clock runs seconds ahead (one load read
+by both: ``skewed_load``)."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,18 +14,11 @@ import rayload
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
-SKEW_NS = 5_000_000_000
-
 
 def test_trace_has_root_placement_spawn_and_rank_phases_for_every_rank(
-    tiny_llama: Path,
-    tmp_path: Path,
-    trace_reader: Callable[[Path], list[Any]],
-    no_leaks: object,
+    skewed_load: Any,
 ) -> None:
-    with rayload.load(tiny_llama, 2, method="scratch", device="cpu", trace_dir=tmp_path):
-        pass
-    spans = trace_reader(tmp_path)
+    spans = skewed_load.spans
     names = Counter(s.name for s in spans)
     assert names["rayload.load"] == 1 and names["rayload.placement"] == 1
     assert names["rayload.prepare"] == 1 and names["rayload.connect"] == 1
@@ -41,25 +34,16 @@ def test_trace_has_root_placement_spawn_and_rank_phases_for_every_rank(
     assert set(spawns) == {0, 1} and all(s.end_ns >= s.start_ns for s in spawns.values())
 
 
-def test_rank_clock_skew_is_corrected_into_root_span(
-    tiny_llama: Path,
-    tmp_path: Path,
-    set_test_hooks: Callable[..., None],
-    trace_reader: Callable[[Path], list[Any]],
-    no_leaks: object,
-) -> None:
-    set_test_hooks(clock_skew_ns={"1": SKEW_NS})
-    with rayload.load(tiny_llama, 2, method="scratch", device="cpu", trace_dir=tmp_path) as result:
-        report = result.ranks[1]
-    spans = trace_reader(tmp_path)
+def test_rank_clock_skew_is_corrected_into_root_span(skewed_load: Any) -> None:
+    spans = skewed_load.spans
     (root,) = [s for s in spans if s.name == "rayload.load"]
     skewed = [s for s in spans if s.rank == 1 and s.name.startswith("rank.")]
     assert skewed
     for span in skewed:
-        assert abs(span.attributes["rayload.clock_offset_ms"] - SKEW_NS / 1e6) < 1000
+        assert abs(span.attributes["rayload.clock_offset_ms"] - skewed_load.skew_ns / 1e6) < 1000
         assert root.start_ns <= span.start_ns <= span.end_ns <= root.end_ns, span.name
     # The report itself keeps the rank's own clock: only the trace is corrected.
-    assert report.start_ns > root.end_ns
+    assert skewed_load.rank_1.start_ns > root.end_ns
 
 
 def test_load_exports_its_trace_to_an_otlp_receiver(
