@@ -168,7 +168,7 @@ def test_a_serve_replica_loads_from_s3_and_answers_a_post_keeping_the_secret(
     s3: S3Server,
     serve_example: ModuleType,
     ray_cluster: Any,
-    unused_port: int,
+    serve_instance: Any,
     no_leaks: Any,
     tmp_path: Path,
 ) -> None:
@@ -176,8 +176,7 @@ def test_a_serve_replica_loads_from_s3_and_answers_a_post_keeping_the_secret(
     url = s3.upload(local, "ray-models", "serve-f32-llama")
     token_ids = [7, 300, 42, 5]
     want = reference_logits(local, torch.tensor([token_ids]))[0, -1].topk(5).indices.tolist()
-    endpoint = f"http://127.0.0.1:{unused_port}/"
-    serve.start(http_options={"host": "127.0.0.1", "port": unused_port})
+    endpoint = serve_instance.url
     try:
         load = {"path": url, "tp_size": 2, "device": "cpu", "timeout": 180}
         serve.run(serve_example.build_app({"load": load}), name="rayload-s3", route_prefix="/")
@@ -200,7 +199,7 @@ def test_a_serve_replica_loads_from_s3_and_answers_a_post_keeping_the_secret(
         assert "ServeReplica" in state and "RankActor" in state
         assert CANARY not in state + json.dumps(summary)
     finally:
-        serve.shutdown()
+        serve.delete("rayload-s3")
     session = Path(ray._private.worker._global_node.get_session_dir_path())
     assert files_containing(session / "logs", CANARY) == []
 
