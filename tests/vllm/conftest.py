@@ -11,6 +11,9 @@ The engines run their core in the test process (``VLLM_ENABLE_V1_MULTIPROCESSING
 TP 2 through vLLM's mp executor (its Ray executor refuses the CPU platform) with one of
 this process's CPUs per worker (``VLLM_CPU_OMP_THREADS_BIND``); callables go to workers
 through ``collective_rpc`` (``VLLM_ALLOW_INSECURE_SERIALIZATION``); 1 GiB of KV cache.
+vLLM 0.32's TP 2 workers do not exit when their engine shuts down: the executor waits
+``VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS`` (5 s by default), then stops them with SIGTERM,
+as it would have anyway; 1 s here.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ else:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{_cpus[0]}|{_cpus[-1]}")
 
 
