@@ -81,6 +81,7 @@ class EngineRun:
     workers: list[dict[str, Any]]
     startup_s: float
     reloaded: tuple[Answers, ...] = ()
+    expert_parallel: list[dict[str, Any]] | None = None
 
     @property
     def answers(self) -> Answers:
@@ -89,10 +90,18 @@ class EngineRun:
 
 
 def run_engine(
-    checkpoint: str, tp: int, load_format: str, *, reloads: Sequence[Reload] = (), **engine: Any
+    checkpoint: str,
+    tp: int,
+    load_format: str,
+    *,
+    reloads: Sequence[Reload] = (),
+    probe_expert_parallel: bool = False,
+    **engine: Any,
 ) -> EngineRun:
     """Start, generate, probe, reload and generate again, stop (see the module docstring).
-    Raises what ``LLM(...)`` raises, after cleaning up vLLM's process-wide state."""
+    ``probe_expert_parallel``: the workers also compare fresh copies of the model built
+    with vLLM's expert parallelism (:func:`worker_expert_parallel_probe`). Raises what
+    ``LLM(...)`` raises, after cleaning up vLLM's process-wide state."""
     from vllm.distributed import cleanup_dist_env_and_memory
 
     from vllm import LLM, SamplingParams
@@ -116,6 +125,9 @@ def run_engine(
         prompts = [{"prompt_token_ids": list(p)} for p in PROMPTS]
         answers = _answers(llm.generate(prompts, params))
         workers = llm.collective_rpc(worker_probe, args=(load_format == "rayload",))
+        expert_parallel = (
+            llm.collective_rpc(worker_expert_parallel_probe) if probe_expert_parallel else None
+        )
         reloaded = []
         for reload in reloads:
             read = llm.collective_rpc(worker_reload, args=(reload.load_format, reload.checkpoint))
@@ -136,6 +148,7 @@ def run_engine(
         workers=workers,
         startup_s=startup_s,
         reloaded=tuple(reloaded),
+        expert_parallel=expert_parallel,
     )
 
 
@@ -204,6 +217,33 @@ def worker_probe(worker: Any, compare: bool) -> dict[str, Any]:
         probe["partition_bytes"] = _partition_bytes(auto)
         probe["compare"] = _compare(dict(auto.named_parameters()), dict(rayload.named_parameters()))
     return probe
+
+
+def worker_expert_parallel_probe(worker: Any) -> dict[str, Any]:
+    """Runs in each worker of a MoE engine: the fresh-model comparison of
+    :func:`worker_probe` with vLLM's expert parallelism on for the two copies
+    (``enable_expert_parallel``: each rank builds and loads whole experts, a contiguous
+    block of them, instead of a slice of every one); also the shapes of the copies' expert
+    parameters and whether rayload's load planned expert parallel."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    from rayload.integrations.vllm import last_load
+
+    parallel = worker.vllm_config.parallel_config
+    parallel.enable_expert_parallel = True
+    try:
+        auto, rayload = (_fresh_load(worker, fmt) for fmt in ("auto", "rayload"))
+    finally:
+        parallel.enable_expert_parallel = False
+    load = last_load()
+    return {
+        "rank": get_tensor_model_parallel_rank(),
+        "rayload_expert_parallel": None if load is None else load.expert_parallel,
+        "expert_shapes": {
+            name: list(p.shape) for name, p in auto.named_parameters() if ".experts." in name
+        },
+        "compare": _compare(dict(auto.named_parameters()), dict(rayload.named_parameters())),
+    }
 
 
 def _fresh_load(worker: Any, load_format: str) -> torch.nn.Module:

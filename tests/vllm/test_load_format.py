@@ -19,6 +19,9 @@ tensor changed, then from the checkpoint itself, and generates after each. Mixtr
   holds on that rank, plus the gaps between split-1 rows less than a page apart (rayload's
   reader reads such rows as one run: the same pages either way), plus the safetensors
   headers and config.json, as ``rchar`` counts them;
+* with vLLM's expert parallelism (Mixtral at TP 2, fresh copies of the model in the
+  engine's workers), each rank holds its block of whole experts, byte for byte as vLLM's
+  loader leaves them, and rayload planned it so;
 * a checkpoint rayload cannot plan or cannot fill is one error naming the tensor, and no
   engine comes up: there is no fallback to vLLM's loader.
 
@@ -57,6 +60,8 @@ OWN_ENGINE = {
 }
 """Families whose ``auto`` answers come from an engine of their own (why), not a reload."""
 RELOAD_CASES = [c for c in CASES if c.values[0] not in OWN_ENGINE]
+MOE = {"mixtral": 4}
+"""The MoE families and their experts."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,8 @@ def runs(vllm_checkpoints: dict[str, Path], vllm_changed_checkpoints: dict[str, 
         path = str(vllm_checkpoints[family])
         if family in OWN_ENGINE:
             auto = run_engine(path, tp, "auto").answers
-            return Compared(run_engine(path, tp, "rayload"), auto, None)
+            ep = family in MOE and tp > 1
+            return Compared(run_engine(path, tp, "rayload", probe_expert_parallel=ep), auto, None)
         changed = str(vllm_changed_checkpoints[family])
         rayload = run_engine(path, tp, "rayload", reloads=(Reload("auto", changed), Reload("auto")))
         return Compared(rayload, rayload.reloaded[1], rayload.reloaded[0])
@@ -135,6 +141,23 @@ def test_every_parameter_holds_the_bytes_vllms_loader_leaves(
         assert compare["rayload_names"] == compare["auto_names"]
         assert compare["differ"] == [], f"rank {worker['rank']}"
         assert compare["nan_left"] == [], f"rank {worker['rank']}: parameters left unfilled"
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_with_expert_parallel_each_worker_holds_whole_experts_as_vllms_loader_leaves_them(
+    runs: Runs, family: str
+) -> None:
+    tp = 2
+    probes = runs(family, tp).rayload.expert_parallel
+    assert probes is not None and [p["rank"] for p in probes] == list(range(tp))
+    for probe in probes:
+        # Each rank's copy holds its block of whole experts (without EP: every expert, cut).
+        shapes = probe["expert_shapes"]
+        assert shapes and {s[0] for s in shapes.values()} == {MOE[family] // tp}
+        assert probe["rayload_expert_parallel"] is True
+        compare = probe["compare"]
+        assert compare["rayload_names"] == compare["auto_names"]
+        assert compare["differ"] == [] and compare["nan_left"] == [], f"rank {probe['rank']}"
 
 
 @pytest.mark.parametrize(("family", "tp"), CASES)
