@@ -77,6 +77,10 @@ def test_bench_of_an_s3_checkpoint_fetches_from_the_server_and_copies_nothing_lo
     assert served >= size + sum(r["storage_bytes"] for r in scratch)
 
 
-def test_bench_of_an_s3_checkpoint_refuses_page_cache_states(bench_url: str) -> None:
-    run = run_cli("bench", "--checkpoint", bench_url, "--cache", "cold")
+@pytest.mark.parametrize("states", [["cold"], ["cold", "warm"]])
+def test_bench_of_an_s3_checkpoint_refuses_page_cache_states(
+    bench_url: str, states: list[str]
+) -> None:
+    # cold warm too: the files' default, but asked for.
+    run = run_cli("bench", "--checkpoint", bench_url, "--cache", *states)
     assert_one_line_error(run, "--cache does not apply to s3://bench/tiny-llama")

@@ -46,6 +46,14 @@ load, never from this machine's page cache, so there is nothing to evict or warm
 Progress = Callable[[str], None]
 
 
+def no_cache_states(checkpoint: str) -> ConfigError:
+    """The error for page cache states asked of an ``s3://`` checkpoint."""
+    return ConfigError(
+        f"--cache does not apply to {checkpoint}: its objects are fetched from the server on "
+        "every load, never from this machine's page cache; drop --cache"
+    )
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """What to benchmark. Validated on construction (``ConfigError`` on bad values)."""
@@ -86,10 +94,7 @@ class BenchConfig:
             raise ConfigError(f"--tp needs sizes >= 1, got {list(self.tp_sizes)}")
         remote = self.checkpoint is not None and is_remote(self.checkpoint)
         if remote and self.caches not in (CACHES, (REMOTE,)):
-            raise ConfigError(
-                f"--cache does not apply to {self.checkpoint}: its objects are fetched from "
-                "the server on every load, never from this machine's page cache; drop --cache"
-            )
+            raise no_cache_states(str(self.checkpoint))
         if remote:
             object.__setattr__(self, "caches", (REMOTE,))
         elif bad := [c for c in self.caches if c not in CACHES] or not self.caches:

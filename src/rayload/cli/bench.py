@@ -13,9 +13,13 @@ from rayload.options import DEVICES
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     from rayload.benchmark import BenchConfig, run_benchmark, write_report
+    from rayload.benchmark.runner import no_cache_states
+    from rayload.loading.storage import is_remote
 
     if args.replicas:
         return _bench_peers(args)
+    if args.cache and args.checkpoint and is_remote(args.checkpoint):
+        raise no_cache_states(args.checkpoint)  # even --cache cold warm, the files' default
     quick = _QUICK if args.quick else {}
     chosen = {
         "size_gb": args.size_gb,
