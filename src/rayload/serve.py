@@ -112,7 +112,8 @@ class ServeArgsError(RayServeException, click.UsageError):
 
 
 def _nest_dotted(args: Mapping[str, Any]) -> dict[str, Any]:
-    """``args`` with each dotted key (``load.path``) moved into its nested mapping."""
+    """``args`` with each dotted key (``load.path``) moved into its nested mapping (kept
+    as it is where that key holds something else, for the validation to name)."""
     nested: dict[str, Any] = {}
     for key, value in args.items():
         *parents, leaf = str(key).split(".")
@@ -123,7 +124,10 @@ def _nest_dotted(args: Mapping[str, Any]) -> dict[str, Any]:
             inner = target.get(parent)
             if isinstance(inner, BaseModel):
                 inner = inner.model_dump(exclude_unset=True)
-            target[parent] = inner = dict(inner) if isinstance(inner, Mapping) else {}
+            if inner is not None and not isinstance(inner, Mapping):
+                target, leaf = nested, str(key)
+                break
+            target[parent] = inner = dict(inner or {})
             target = inner
         target[leaf] = value
     return nested
