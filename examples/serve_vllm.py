@@ -46,31 +46,6 @@ def cpu_env(tensor_parallel_size: int) -> dict[str, str]:
     }
 
 
-def _reload(worker: Any, load_format: str, path: str | None) -> int:
-    """In a vLLM worker: reload the weights in place with vLLM's loader for
-    ``load_format`` (from ``path``, default the model's); returns the tensors it read."""
-    from vllm.config.load import LoadConfig
-    from vllm.model_executor.model_loader import get_model_loader
-
-    runner = worker.model_runner
-    model_config = runner.model_config
-    loader = get_model_loader(LoadConfig(load_format=load_format))
-    original, model_config.model = model_config.model, path or model_config.model
-    count = 0
-
-    def counted() -> Any:
-        nonlocal count
-        for item in loader.get_all_weights(model_config, runner.get_model()):
-            count += 1
-            yield item
-
-    try:
-        worker.reload_weights(weights_iterator=counted())
-    finally:
-        model_config.model = original
-    return count
-
-
 @serve.deployment
 class VllmServer:
     """One replica: one vLLM engine, loaded by ``load_format`` (default rayload)."""
@@ -118,7 +93,9 @@ class VllmServer:
     async def reload_weights(self, load_format: str = "auto", path: str | None = None) -> list[int]:
         """Reload every worker's weights in place with vLLM's ``load_format`` loader (from
         ``path``, default the model's); the tensors each worker read."""
-        return await self._run(self.llm.collective_rpc, _reload, None, (load_format, path))
+        from rayload.integrations.vllm import reload_in_place
+
+        return await self._run(self.llm.collective_rpc, reload_in_place, None, (load_format, path))
 
     def __del__(self) -> None:
         """Serve calls this as the replica goes: stop vLLM's engine processes with it."""

@@ -33,7 +33,8 @@ RAY = str(Path(sys.executable).with_name("ray"))
 TOKEN_IDS = [7, 300, 42, 5]
 
 
-def _free_ports(count: int) -> list[int]:
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports on 127.0.0.1 that were free a moment ago."""
     sockets = [socket.socket() for _ in range(count)]
     try:
         for sock in sockets:
@@ -44,7 +45,8 @@ def _free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def _processes_using(temp_dir: str) -> list[psutil.Process]:
+def processes_using(temp_dir: str) -> list[psutil.Process]:
+    """The processes of the cluster whose temp dir is ``temp_dir`` (on their command line)."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         try:
@@ -84,7 +86,7 @@ def head_node(env: dict[str, str]) -> Iterator[tuple[str, str]]:
     """A one-node cluster (``env``: its processes' environment); yields its dashboard URL
     and its temp dir (removed afterwards)."""
     temp_dir = tempfile.mkdtemp(prefix="rl-job-", dir="/tmp")
-    gcs, dashboard, client, agent, agent_grpc, metrics, runtime_env = _free_ports(7)
+    gcs, dashboard, client, agent, agent_grpc, metrics, runtime_env = free_ports(7)
     command = [
         RAY, "start", "--head", "--block",
         "--node-ip-address", "127.0.0.1",
@@ -118,7 +120,7 @@ def head_node(env: dict[str, str]) -> Iterator[tuple[str, str]]:
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait(timeout=10)
-        leftovers = _processes_using(temp_dir)
+        leftovers = processes_using(temp_dir)
         for proc in leftovers:
             proc.kill()
         psutil.wait_procs(leftovers, timeout=10)

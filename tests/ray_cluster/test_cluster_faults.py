@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from ray_cluster.job_submit_script import free_ports, processes_using
 from rayload.loading import write_checkpoint
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -51,17 +51,6 @@ class Head:
     temp_dir: str
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
 def _clean_env(tmp: Path) -> dict[str, str]:
     """No inherited RAY_* (no RAY_ADDRESS), token auth off, Ray's temp dir of our own (no
     ``/tmp/ray/ray_current_cluster`` of another cluster)."""
@@ -73,13 +62,7 @@ def _clean_env(tmp: Path) -> dict[str, str]:
 
 def _kill_processes_of(temp_dir: str) -> None:
     """Kill every process of the cluster in ``temp_dir`` (what ``ray stop --force`` does)."""
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if any(temp_dir in part for part in proc.info["cmdline"] or ()):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
+    found = processes_using(temp_dir)
     for proc in found:
         try:
             proc.kill()
@@ -108,7 +91,7 @@ def start_head(tmp_path: Path) -> Iterator[Callable[[], Head]]:
     def start() -> Head:
         temp_dir = tempfile.mkdtemp(prefix="rl-fault-", dir="/tmp")
         temp_dirs.append(temp_dir)
-        gcs, dashboard, client, agent, agent_grpc, metrics, runtime_env = _free_ports(7)
+        gcs, dashboard, client, agent, agent_grpc, metrics, runtime_env = free_ports(7)
         command = [
             RAY, "start", "--head", "--block", "--disable-usage-stats",
             "--node-ip-address", "127.0.0.1",
@@ -199,7 +182,7 @@ def _no_leaks_within(head: Head, env: dict[str, str], timeout_s: float) -> None:
 def test_unreachable_address_exits_2_in_seconds_naming_address_and_source(
     checkpoint: Path, tmp_path: Path, source: str
 ) -> None:
-    (port,) = _free_ports(1)
+    (port,) = free_ports(1)
     address = f"127.0.0.1:{port}"
     env, extra = _clean_env(tmp_path), ["--timeout", "30", "--json"]
     if source == "--address":

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +104,7 @@ def run_engine(
     ``LLM(...)`` raises, after cleaning up vLLM's process-wide state."""
     from vllm.distributed import cleanup_dist_env_and_memory
 
+    from rayload.integrations.vllm import reload_in_place
     from vllm import LLM, SamplingParams
 
     started = time.perf_counter()
@@ -130,7 +131,7 @@ def run_engine(
         )
         reloaded = []
         for reload in reloads:
-            read = llm.collective_rpc(worker_reload, args=(reload.load_format, reload.checkpoint))
+            read = llm.collective_rpc(reload_in_place, args=(reload.load_format, reload.checkpoint))
             # No answer may come from KV blocks the old weights computed.
             llm.reset_prefix_cache()
             again = _answers(llm.generate(prompts, params))
@@ -160,32 +161,6 @@ def _answers(outputs: Any) -> Answers:
             for o in outputs
         ],
     )
-
-
-def worker_reload(worker: Any, load_format: str, checkpoint: str | None) -> int:
-    """Runs in each worker: reload its weights in place (vLLM's ``reload_weights``) with
-    vLLM's loader of ``load_format`` from ``checkpoint`` (None: the model's); returns the
-    tensors the loader handed over."""
-    from vllm.config.load import LoadConfig
-    from vllm.model_executor.model_loader import get_model_loader
-
-    runner = worker.model_runner
-    model_config = runner.model_config
-    loader = get_model_loader(LoadConfig(load_format=load_format))
-    original, model_config.model = model_config.model, checkpoint or model_config.model
-    count = 0
-
-    def counted() -> Iterator[tuple[str, torch.Tensor]]:
-        nonlocal count
-        for item in loader.get_all_weights(model_config, runner.get_model()):
-            count += 1
-            yield item
-
-    try:
-        worker.reload_weights(weights_iterator=counted())
-    finally:
-        model_config.model = original
-    return count
 
 
 def worker_probe(worker: Any, compare: bool) -> dict[str, Any]:

@@ -232,6 +232,32 @@ class RayloadModelLoader(BaseModelLoader):
         )
 
 
+def reload_in_place(worker: Any, load_format: str = LOAD_FORMAT, path: str | None = None) -> int:
+    """In a vLLM worker (``llm.collective_rpc(reload_in_place, args=(fmt, path))``): reload
+    its weights in place (vLLM's ``reload_weights``) with vLLM's loader of ``load_format``,
+    from ``path`` (default: the model's); returns the tensors the loader handed over."""
+    from vllm.config.load import LoadConfig as VllmLoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+
+    runner = worker.model_runner
+    model_config = runner.model_config
+    loader = get_model_loader(VllmLoadConfig(load_format=load_format))
+    original, model_config.model = model_config.model, path or model_config.model
+    count = 0
+
+    def counted() -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal count
+        for item in loader.get_all_weights(model_config, runner.get_model()):
+            count += 1
+            yield item
+
+    try:
+        worker.reload_weights(weights_iterator=counted())
+    finally:
+        model_config.model = original
+    return count
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: registers ``load_format="rayload"`` (and
     makes vLLM's span ids in this process unique, :func:`secure_span_ids`)."""
