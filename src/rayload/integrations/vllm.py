@@ -59,6 +59,16 @@ from rayload.loading.report import RankReport
 from rayload.loading.rules import Rule, RuleSet, resolve_rules
 from rayload.loading.storage import is_remote
 
+__all__ = [
+    "LOAD_FORMAT",
+    "RayloadModelLoader",
+    "VllmLoadOptions",
+    "WorkerLoad",
+    "last_load",
+    "register",
+    "reload_in_place",
+]
+
 _vllm_log = init_logger("vllm.model_executor.model_loader.rayload")
 """vLLM's logger: the load's summary line appears among vLLM's own, like its loaders'."""
 
