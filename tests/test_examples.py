@@ -44,7 +44,13 @@ def test_example_imports_only_public_rayload_names(example: Path) -> None:
 def test_a_name_missing_from_all_is_found() -> None:
     assert "reload_in_place" in _public_names("rayload.integrations.vllm")
     assert "_checkpoint" not in _public_names("rayload.integrations.vllm")
-    assert _public_names("rayload") == ["LoadConfig", "LoadMethod", "LoadResult", "RayloadError", "load"]
+    assert _public_names("rayload") == [
+        "LoadConfig",
+        "LoadMethod",
+        "LoadResult",
+        "RayloadError",
+        "load",
+    ]
 
 
 def test_examples_are_found() -> None:
