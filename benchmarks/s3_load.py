@@ -7,9 +7,13 @@ which counts the bytes it serves. Interleaved: each round runs every case once.
 Cases (one fresh spawned process per rank, all released at once by a barrier; a case's
 time is from the release until the last rank has its shards):
 
-* ``rayload``: each rank runs :func:`rayload.load_rank` on the ``s3://`` checkpoint
-  (the rank's own byte ranges as ranged GETs, straight into its tensors);
-* ``rayload-converted``: the same from the checkpoint converted for TP=4;
+* ``rayload``: each rank runs :func:`rayload.load_rank` on the ``s3://`` checkpoint as
+  ``rayload.load``'s rank actors do: given the driver's opened checkpoint (the plan every
+  case gets before the clock), it sends only its own byte ranges as ranged GETs,
+  straight into its tensors;
+* ``rayload-headers``: the same, each rank opening the checkpoint itself (listing it and
+  reading every header, as a rank on its own does: a vLLM worker);
+* ``rayload-converted``: ``rayload`` from the checkpoint converted for TP=4;
 * ``runai``: Run:ai Model Streamer (``runai-model-streamer`` and
   ``runai-model-streamer-s3``, the path behind vLLM's ``runai_streamer``), each rank
   streaming every file and keeping its shard of each tensor (vLLM's non-distributed
@@ -44,7 +48,7 @@ from typing import Any
 
 TP = 4
 _LIMIT_GET = 4 << 20
-CASES = ("rayload", "rayload-converted", "runai", "download", "limit")
+CASES = ("rayload", "rayload-headers", "rayload-converted", "runai", "download", "limit")
 
 
 def _rss_mb() -> float:
@@ -80,17 +84,15 @@ def _prepare(case: str, url: str, rank: int) -> Callable[[], int]:
     torch.set_num_threads(1)
     from rayload.loading import load_rank, open_checkpoint, plan_shards
 
-    if case in ("rayload", "rayload-converted"):
-        from rayload.loading.storage import storage_for
-
-        storage_for(url).attributes()  # boto3 imported, its client made (as the others')
+    checkpoint = open_checkpoint(url)  # headers (not timed: every case needs the plan)
+    if case.startswith("rayload"):
+        given = None if case == "rayload-headers" else checkpoint
 
         def rayload_rank() -> int:
-            tensors, _ = load_rank(url, rank, TP, "auto")
+            tensors, _ = load_rank(url, rank, TP, "auto", checkpoint=given)
             return sum(t.numel() * t.element_size() for t in tensors.values())
 
         return rayload_rank
-    checkpoint = open_checkpoint(url)  # headers (not timed: every case needs the plan)
     shards = {s.name: s for s in plan_shards(checkpoint, TP).ranks[rank].shards}
     if case == "runai":
         from runai_model_streamer import SafetensorsStreamer

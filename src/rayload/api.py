@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -47,14 +46,14 @@ from rayload.actors.sharing import (
 from rayload.config import LoadConfig
 from rayload.driver import TraceOutputs, notify, place, release, validate
 from rayload.errors import ConfigError
-from rayload.loading.checkpoint import open_checkpoint
+from rayload.loading.checkpoint import Checkpoint, open_checkpoint
 from rayload.loading.identity import peer_key
 from rayload.loading.methods import LoadMethod
 from rayload.loading.model import ModelContext, ModelFactory
 from rayload.loading.plan import plan_shards
 from rayload.loading.report import RankReport, mixed_method_warnings
 from rayload.loading.rules import RulesArg, resolve_rules
-from rayload.loading.storage import storage_deadline, versions_read
+from rayload.loading.storage import storage_deadline
 from rayload.placement import RankPlacement
 from rayload.progress import LoadProgress, ProgressCallback
 from rayload.result import LoadResult, ReloadResult
@@ -116,7 +115,7 @@ def load(
     deadline = time.monotonic() + config.timeout
     connection = cluster.connect_recorded(config.address, deadline=deadline)
     trace = _start_trace(config, start_ns, connection)
-    base = _request(config, source, trace, checkpoint.config, rule_set, model)
+    base = _request(config, source, trace, checkpoint, rule_set, model)
     # A Ray this load started ends with it: nobody else could load from its replicas.
     sharing = PeerSharing(key, source, enabled=config.peers and not connection.started_ray)
     run = _Run(config, trace, outputs, sharing, connection.started_ray, deadline, progress)
@@ -253,11 +252,12 @@ def _request(
     config: LoadConfig,
     source: str,
     trace: StartupTrace,
-    model_config: Mapping[str, Any] | None,
+    checkpoint: Checkpoint,
     rules: RulesArg,
     model: ModelFactory | None,
 ) -> LoadRequest:
-    """What every rank is asked to do, before its replica, process group and peers."""
+    """What every rank is asked to do, before its replica, process group and peers (the
+    ranks of an ``s3://`` checkpoint get the driver's, so they read no header again)."""
     return LoadRequest(
         path=source,
         tp_size=config.tp_size,
@@ -268,10 +268,10 @@ def _request(
         rules=rules,
         model_role=config.model_role,
         model=model,
-        model_config=dict(model_config or {}) if model is not None else None,
+        model_config=dict(checkpoint.config or {}) if model is not None else None,
         expert_parallel=config.expert_parallel,
         shared_copy=config.shared_copy,
-        versions=versions_read(source),
+        checkpoint=checkpoint if checkpoint.versions else None,
     )
 
 

@@ -18,7 +18,7 @@ from rayload.actors.launch import reload_ranks
 from rayload.actors.messages import LoadRequest
 from rayload.actors.rank_group import RankActorGroup
 from rayload.errors import CheckpointError, ConfigError
-from rayload.loading.checkpoint import open_checkpoint
+from rayload.loading.checkpoint import Checkpoint, open_checkpoint
 from rayload.loading.plan import ShardPlan, plan_shards
 from rayload.loading.rank import same_plan_problem
 from rayload.loading.report import RankReport
@@ -75,9 +75,10 @@ def validate(path: str | os.PathLike[str]) -> str:
     return source
 
 
-def check_same_plan(loaded: ShardPlan, source: str, request: LoadRequest) -> None:
-    """Raise :class:`CheckpointError` naming the first tensor the checkpoint at ``source``
-    plans differently from the loaded plan (from its headers: no tensor data read)."""
+def check_same_plan(loaded: ShardPlan, source: str, request: LoadRequest) -> Checkpoint:
+    """The checkpoint at ``source``, opened (its headers: no tensor data read); raises
+    :class:`CheckpointError` naming the first tensor it plans differently from the loaded
+    plan."""
     checkpoint = open_checkpoint(source)
     plan = plan_shards(
         checkpoint, loaded.tp_size, rules=request.rules, expert_parallel=request.expert_parallel
@@ -91,6 +92,7 @@ def check_same_plan(loaded: ShardPlan, source: str, request: LoadRequest) -> Non
             file=source,
             tensor=tensor or None,
         )
+    return checkpoint
 
 
 def place(

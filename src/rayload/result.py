@@ -33,7 +33,7 @@ from rayload.loading.identity import peer_key
 from rayload.loading.methods import LoadMethod
 from rayload.loading.plan import ShardPlan
 from rayload.loading.report import RankReport, mixed_method_warnings
-from rayload.loading.storage import storage_deadline, versions_read
+from rayload.loading.storage import storage_deadline
 from rayload.placement import RankPlacement
 from rayload.tracing import StartupTrace, schema, startup_metrics
 
@@ -178,7 +178,7 @@ class LoadResult:
         source = validate(config.path)
         deadline = time.monotonic() + timeout
         with storage_deadline(timeout):
-            check_same_plan(self.plan, source, loaded)
+            checkpoint = check_same_plan(self.plan, source, loaded)
         trace = StartupTrace(
             tp_size=self.tp_size,
             model_role=loaded.model_role,
@@ -204,7 +204,7 @@ class LoadResult:
                 traceparent=trace.traceparent(),
                 peers=sources if index else (),
                 peer_wait_s=timeout,
-                versions=versions_read(source),
+                checkpoint=checkpoint if checkpoint.versions else None,
             )
             for index, request in enumerate(self._requests)
         ]

@@ -18,14 +18,8 @@ from rayload.cli import main
 from rayload.errors import StorageError
 from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.rank import load_rank, reload_rank
-from rayload.loading.storage import expect_versions, versions_read
 from support.cli import assert_one_line_error
-from support.s3 import ACCESS_KEY, CANARY, ENDPOINT, S3Server
-
-
-def _data_start(path: Path) -> int:
-    with path.open("rb") as f:
-        return 8 + int.from_bytes(f.read(8), "little")
+from support.s3 import ACCESS_KEY, CANARY, ENDPOINT, S3Server, data_start
 
 
 @pytest.fixture
@@ -47,7 +41,7 @@ def test_throttling_and_cut_bodies_are_retried_to_a_bit_identical_load(
 ) -> None:
     url, first = fresh
     want, _ = load_rank(tiny_llama, 1, 2)
-    proxy.inject(kind, suffix=first.name, times=2, min_start=_data_start(first))
+    proxy.inject(kind, suffix=first.name, times=2, min_start=data_start(first))
     got, report = load_rank(url, 1, 2)
     _assert_equal(got, want)
     assert report.retries >= 2, report
@@ -59,7 +53,7 @@ def test_a_server_ignoring_range_is_refused_before_its_body_is_read(
     fresh: tuple[str, Path], proxy: Any
 ) -> None:
     url, first = fresh
-    proxy.inject("ignore_range", suffix=first.name, times=100, min_start=_data_start(first))
+    proxy.inject("ignore_range", suffix=first.name, times=100, min_start=data_start(first))
     with pytest.raises(StorageError, match="ignored the byte range") as info:
         load_rank(url, 0, 2)
     assert first.name in str(info.value) and "127.0.0.1" in str(info.value)
@@ -69,8 +63,8 @@ def test_an_object_changed_after_its_header_was_read_is_an_error_naming_the_key(
     fresh: tuple[str, Path], proxy: Any
 ) -> None:
     url, first = fresh
-    proxy.inject("rewrite", suffix=first.name, min_start=_data_start(first))
-    with pytest.raises(StorageError, match="changed while it was being loaded") as info:
+    proxy.inject("rewrite", suffix=first.name, min_start=data_start(first))
+    with pytest.raises(StorageError, match="changed after its header was read") as info:
         load_rank(url, 0, 2)
     assert f"{url}/{first.name}" in str(info.value)
 
@@ -80,36 +74,32 @@ def test_reload_of_an_object_changed_mid_read_is_an_error_never_two_versions(
 ) -> None:
     url, first = fresh
     tensors, _ = load_rank(url, 0, 2)
-    proxy.inject("rewrite", suffix=first.name, min_start=_data_start(first))
-    with pytest.raises(StorageError, match="changed while it was being loaded") as info:
+    proxy.inject("rewrite", suffix=first.name, min_start=data_start(first))
+    with pytest.raises(StorageError, match="changed after its header was read") as info:
         reload_rank(url, 0, 2, tensors)
     assert first.name in str(info.value)
     # The next reload reads the new version, whole.
     reload_rank(url, 0, 2, tensors)
 
 
-def test_a_rank_given_the_drivers_versions_refuses_an_object_changed_since(
+def test_a_rank_given_the_drivers_checkpoint_refuses_an_object_changed_since(
     fresh: tuple[str, Path], s3: S3Server, proxy: Any
 ) -> None:
-    """What a load request carries (the driver's ETags) and its ranks check: an object
-    rewritten between the driver's read and a rank's is an error naming it, never a rank
-    loading another version than the driver planned (and than the other ranks)."""
+    """What a load request carries (the driver's opened checkpoint, with each object's
+    ETag) and its ranks read from: an object rewritten between the driver's read and a
+    rank's is an error naming it, never a rank loading another version than the driver
+    planned (and than the other ranks)."""
     url, first = fresh
-    open_checkpoint(url)  # the driver
-    versions = versions_read(url)
+    checkpoint = open_checkpoint(url)  # the driver
     changed = f"{url}/{first.name}"
-    assert changed in dict(versions) and f"{url}/config.json" in dict(versions)
+    assert changed in checkpoint.versions and f"{url}/config.json" in checkpoint.versions
     bucket, _, key = changed.removeprefix("s3://").partition("/")
     data = s3.client.get_object(Bucket=bucket, Key=key)["Body"].read()
     s3.client.put_object(Bucket=bucket, Key=key, Body=data[:-1] + bytes([data[-1] ^ 0xFF]))
-    try:
-        expect_versions(url, versions)  # the rank, from the request
-        with pytest.raises(StorageError, match="changed after the driver read it") as info:
-            load_rank(url, 0, 2)
-        assert changed in str(info.value) and dict(versions)[changed] in str(info.value)
-    finally:
-        expect_versions(url, ())
-    load_rank(url, 0, 2)  # without the driver's versions: the new one, whole
+    with pytest.raises(StorageError, match="changed after its header was read") as info:
+        load_rank(url, 0, 2, checkpoint=checkpoint)  # the rank, from the request
+    assert changed in str(info.value) and checkpoint.versions[changed][1] in str(info.value)
+    load_rank(url, 0, 2)  # opening it afresh: the new version, whole
 
 
 def _cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -214,7 +204,7 @@ def test_a_body_that_stops_after_its_headers_is_an_error_within_the_rank_deadlin
     from rayload.loading.storage import storage_deadline
 
     url, first = fresh
-    proxy.inject("blackhole", suffix=".safetensors", times=1000, min_start=_data_start(first))
+    proxy.inject("blackhole", suffix=".safetensors", times=1000, min_start=data_start(first))
     timeout = 6
     start = time.monotonic()
     with storage_deadline(4.5, of=timeout), pytest.raises(StorageError) as info:

@@ -14,6 +14,7 @@ import torch
 from rayload.cli import main
 from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.rank import load_rank
+from support.s3 import data_start
 
 LAYOUTS = ("single", "index", "converted")
 
@@ -49,8 +50,7 @@ def _metadata_bytes(local: Path) -> int:
         if path.name in ("config.json", "model.safetensors.index.json", "rayload-manifest.json"):
             total += path.stat().st_size
         elif path.suffix == ".safetensors":
-            with path.open("rb") as f:
-                total += 8 + int.from_bytes(f.read(8), "little")
+            total += data_start(path)
     return total
 
 
@@ -73,19 +73,37 @@ def test_inspect_and_plan_fetch_only_headers_and_config(
         assert len(headers) == 2 * sum(1 for p in local.iterdir() if p.suffix == ".safetensors")
 
 
+def _data_gets_only(requests: list[Any], local: Path, *, whole_files: bool = False) -> None:
+    """Every request a rank given the driver's checkpoint sent: a ranged GET of tensor
+    bytes (no listing, HEAD, config, index or manifest; no header read, except inside
+    the ``whole_files`` of the converted layout, whose CRC-32 covers header and data)."""
+    starts = {p.name: 0 if whole_files else data_start(p) for p in local.glob("*.safetensors")}
+    assert requests
+    for r in requests:
+        name = r.key.rpartition("/")[2]
+        assert r.method == "GET" and name in starts and r.range is not None, r
+        assert int(r.range.removeprefix("bytes=").partition("-")[0]) >= starts[name], r
+
+
 def test_one_tp_group_is_served_the_bytes_its_ranks_report(
     s3_checkpoints: dict[str, tuple[Path, str]], proxy: Any
 ) -> None:
+    """What ``rayload.load``'s ranks do: given the driver's opened checkpoint, they send
+    only their data GETs. A rank on its own (a vLLM worker) reads the headers itself."""
     local, url = s3_checkpoints["index"]
-    checkpoint = open_checkpoint(local)
+    checkpoint = open_checkpoint(url)  # the driver
     proxy.clear()
-    reports = [load_rank(url, rank, 2, "auto")[1] for rank in range(2)]
+    reports = [load_rank(url, rank, 2, "auto", checkpoint=checkpoint)[1] for rank in range(2)]
     served = proxy.served_bytes("models/index/")
-    metadata = 2 * _metadata_bytes(local)  # each rank reads the headers itself
-    assert served - metadata == sum(r.bytes_read for r in reports)
-    ratio = (served - metadata) / checkpoint.tensor_bytes
+    _data_gets_only(proxy.requests("models/index/"), local)
+    assert served == sum(r.bytes_read for r in reports)
+    ratio = served / checkpoint.tensor_bytes
     print(f"one TP=2 group served {ratio:.3f}x the checkpoint's tensor bytes")
     assert 1.0 <= ratio < 1.5
+    proxy.clear()
+    alone = load_rank(url, 0, 2, "auto")[1]
+    assert proxy.served_bytes("models/index/") == _metadata_bytes(local) + alone.bytes_read
+    assert alone.bytes_read == reports[0].bytes_read
 
 
 def test_one_tp_group_of_the_converted_layout_is_served_the_checkpoint_once(
@@ -96,13 +114,14 @@ def test_one_tp_group_of_the_converted_layout_is_served_the_checkpoint_once(
     fetched as runs, gaps included: see the test above)."""
     original, _ = s3_checkpoints["index"]
     local, url = s3_checkpoints["converted"]
+    checkpoint = open_checkpoint(url)
     proxy.clear()
-    reports = [load_rank(url, rank, 2, "auto")[1] for rank in range(2)]
+    reports = [load_rank(url, rank, 2, "auto", checkpoint=checkpoint)[1] for rank in range(2)]
     assert all(r.method.effective.value == "converted" for r in reports)
     served = proxy.served_bytes("models/converted/")
-    metadata = 2 * _metadata_bytes(local)
-    assert served - metadata == sum(r.bytes_read for r in reports)
-    ratio = (served - metadata) / open_checkpoint(original).tensor_bytes
+    _data_gets_only(proxy.requests("models/converted/"), local, whole_files=True)
+    assert served == sum(r.bytes_read for r in reports)
+    ratio = served / open_checkpoint(original).tensor_bytes
     print(f"one TP=2 group of the converted layout served {ratio:.4f}x the checkpoint")
     assert 1.0 <= ratio <= 1.01
 

@@ -60,6 +60,12 @@ PROXY_PORT = _free_port()
 ENDPOINT = f"http://127.0.0.1:{PROXY_PORT}"
 
 
+def data_start(path: Path) -> int:
+    """Where a local safetensors file's tensor bytes begin (after its 8 bytes and header)."""
+    with path.open("rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
 def files_containing(root: Path, needle: str) -> list[str]:
     """The files under ``root`` whose bytes contain ``needle`` (the canary greps)."""
     found = []
@@ -152,7 +158,8 @@ class S3Proxy:
         start = length = -1
         if method == "GET" and range_ is not None:
             first, _, last = range_.removeprefix("bytes=").partition("-")
-            start, length = int(first), int(last) - int(first) + 1
+            start = int(first or 0)  # "bytes=N-" (to the end): s3transfer's downloads
+            length = int(last) - start + 1 if last else 1 << 62
         with self.lock:
             for fault in self.faults:
                 if not fault.times or not key.endswith(fault.suffix):

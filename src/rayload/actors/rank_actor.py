@@ -63,7 +63,7 @@ from rayload.loading.model import ModelContext, build_and_fill, engine_phases
 from rayload.loading.probe import EnvProbe, probe_environment, read_chars
 from rayload.loading.rank import PostLoad, reload_rank
 from rayload.loading.report import PhaseTimer, RankReport
-from rayload.loading.storage import expect_versions, storage_deadline
+from rayload.loading.storage import storage_deadline
 from rayload.tracing.rank_spans import engine_spans_payload, rank_spans_payload, report_attributes
 
 _IMPORTS_END_NS = time.time_ns()
@@ -225,7 +225,6 @@ class RankActor:
                 self._process_group = join_process_group(
                     request.process_group, rank=self._rank, device=device, timer=timer
                 )
-            expect_versions(request.path, request.versions)
             with _storage_deadline(request):
                 self._tensors, report = load_rank(
                     request.path,
@@ -241,6 +240,7 @@ class RankActor:
                     post_load=self._model_builder(request, device, timer),
                     expert_parallel=request.expert_parallel,
                     peer=self._peer_source(request),
+                    checkpoint=request.checkpoint,
                 )
             report = _with_node(report, self._node_id, request.replica_index)
             self._report = report
@@ -353,7 +353,6 @@ class RankActor:
         try:
             if self._report is None:
                 raise RuntimeError(f"rank {self._rank} has no loaded weights to reload into")
-            expect_versions(request.path, request.versions)
             with _storage_deadline(request):
                 report = reload_rank(
                     request.path,
@@ -370,6 +369,7 @@ class RankActor:
                     expert_parallel=request.expert_parallel,
                     written=written,
                     peer=self._peer_source(request),
+                    checkpoint=request.checkpoint,
                 )
             report = _with_node(report, self._node_id, request.replica_index)
             self._report = report

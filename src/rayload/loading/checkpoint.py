@@ -23,7 +23,7 @@ import logging
 import os
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from rayload.errors import CheckpointError
@@ -64,6 +64,10 @@ class Checkpoint:
     tp_size: int | None = None
     rank_files: Mapping[int, tuple[str, ...]] | None = None
     by_rank: Mapping[int, Mapping[str, TensorInfo]] | None = None
+    versions: Mapping[str, tuple[int, str]] = field(default_factory=dict)
+    """Object storage: the (size, ETag) at which each object read was seen. A rank handed
+    this checkpoint (by the driver, in its load request) reads its byte ranges of those
+    versions without reading a header again, or fails naming the object that changed."""
 
     @property
     def architecture(self) -> str | None:
@@ -123,11 +127,15 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
 
 def _open_remote(url: str) -> Checkpoint:
     storage = storage_for(url)
-    repin = getattr(storage, "repin", None)
-    if repin is not None:
-        repin(url)  # every open reads the objects as they are now
-    if url.endswith(".safetensors"):
-        root = url.rpartition("/")[0]
+    root = url.rpartition("/")[0] if url.endswith(".safetensors") else url
+    storage.adopt(root, {})  # every open reads the objects as they are now
+    checkpoint = _open_remote_layout(url, root)
+    return replace(checkpoint, versions=storage.versions(root))
+
+
+def _open_remote_layout(url: str, root: str) -> Checkpoint:
+    storage = storage_for(url)
+    if url != root:
         storage.size(url)  # StorageError naming bucket, key and endpoint when missing
         return _single(root, url, _read_config(root))
     names = storage.listdir(url)

@@ -67,6 +67,7 @@ def load_rank(
     expert_parallel: bool = False,
     peer: PeerSource | None = None,
     adjust_plan: AdjustPlan | None = None,
+    checkpoint: Checkpoint | None = None,
 ) -> tuple[dict[str, torch.Tensor], RankReport]:
     """Load rank ``rank`` of ``tp_size`` of the checkpoint at ``path`` onto ``device``.
 
@@ -82,6 +83,9 @@ def load_rank(
     then copy the shards from it, reading storage instead if it fails
     (:mod:`~rayload.loading.backends.peer`); other methods ignore it. ``adjust_plan(plan,
     checkpoint)`` returns the rank's plan as the engine lays it out (:data:`AdjustPlan`).
+    ``checkpoint`` is ``path`` as another process opened it (the driver's, for object
+    storage): no header is read again, and every byte comes from the versions it records
+    (``Checkpoint.versions``) or the load fails naming the object that changed.
 
     Returns the tensors (this rank's shards by name) and the :class:`RankReport`, whose
     ``start_ns`` is taken before any config or header is parsed.
@@ -103,6 +107,7 @@ def load_rank(
         expert_parallel=expert_parallel,
         peer=peer,
         adjust_plan=adjust_plan,
+        checkpoint=checkpoint,
     )
     tensors = result.tensors
 
@@ -131,6 +136,7 @@ def reload_rank(
     expert_parallel: bool = False,
     written: set[str] | None = None,
     peer: PeerSource | None = None,
+    checkpoint: Checkpoint | None = None,
 ) -> RankReport:
     """Load rank ``rank`` of the checkpoint at ``path`` into ``tensors``, the rank's
     resident tensors from an earlier :func:`load_rank` (or views a ``model=`` module shares
@@ -167,6 +173,7 @@ def reload_rank(
         into=tensors,
         written=written if written is not None else set(),
         peer=peer,
+        checkpoint=checkpoint,
     )
     with timer.phase(POST_LOAD, device=resolution.device):
         pass
@@ -221,6 +228,7 @@ def _run(
     written: set[str] | None = None,
     peer: PeerSource | None = None,
     adjust_plan: AdjustPlan | None = None,
+    checkpoint: Checkpoint | None = None,
 ) -> tuple[RankPlan, Resolution, BackendResult, StorageUse]:
     """``rank.resolve``, ``rank.plan`` and the backend's phases (into ``into`` when
     given), with the fallback checks; what load_rank and reload_rank share. The
@@ -232,7 +240,11 @@ def _run(
     storage = storage_for(os.fspath(path))
     before = storage.counters()
     with timer.phase(RESOLVE, tp_size=tp_size, model_role=model_role) as attrs:
-        checkpoint = open_checkpoint(path)
+        attrs["headers_read"] = checkpoint is None
+        if checkpoint is None:
+            checkpoint = open_checkpoint(path)
+        else:
+            storage.adopt(checkpoint.root, checkpoint.versions)
         requested = parse_method(method)
         may_use_fst = requested in _MAY_USE_FASTSAFETENSORS
         env = probe if probe is not None else probe_environment(fastsafetensors=may_use_fst)

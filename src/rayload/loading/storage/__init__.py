@@ -13,7 +13,6 @@ client, one connection pool, one record of the object versions read so far).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
 
 from rayload.loading.storage.base import (
     Storage,
@@ -29,11 +28,9 @@ __all__ = [
     "Storage",
     "StorageCounters",
     "current_deadline",
-    "expect_versions",
     "is_remote",
     "storage_deadline",
     "storage_for",
-    "versions_read",
 ]
 
 _FILE = FileStorage()
@@ -54,19 +51,6 @@ def storage_for(path: str) -> Storage:
         if storage is None:
             storage = _S3[bucket] = S3Storage(bucket)
         return storage
-
-
-def versions_read(root: str) -> tuple[tuple[str, str], ...]:
-    """(path, version) of each file under ``root`` this process has read (the driver's,
-    for a load request: :func:`expect_versions` on the ranks); empty for local files."""
-    return tuple(sorted(storage_for(root).versions(root).items()))
-
-
-def expect_versions(root: str, versions: Mapping[str, str] | tuple[tuple[str, str], ...]) -> None:
-    """Make this process's reads of ``root`` fail, naming the file, on a file seen at
-    another version than ``versions`` (the driver's): no rank reads a version the driver
-    did not plan from."""
-    storage_for(root).expect(dict(versions))
 
 
 def forget_s3_clients() -> None:

@@ -118,13 +118,15 @@ class Storage(ABC):
     def attributes(self) -> dict[str, Any]:
         """Span attributes describing it (``rayload.storage`` ...); never a credential."""
 
-    def versions(self, root: str) -> dict[str, str]:
-        """The version (an ETag) of each file under ``root`` read so far in this process:
-        what the driver hands its ranks. A storage that cannot tell versions apart: none."""
+    def versions(self, root: str) -> dict[str, tuple[int, str]]:
+        """The size and version (an ETag) of each file under ``root`` read so far in this
+        process: what an opened checkpoint records (``Checkpoint.versions``), for ranks
+        given it. A storage that cannot tell versions apart: none."""
         return {}
 
-    def expect(self, versions: Mapping[str, str]) -> None:
-        """From now on, a file of ``versions`` (path -> version, the driver's) seen at
-        another version is an error naming it: every rank reads what the driver read.
-        Replaces the previous expectation. A storage without versions: nothing to check."""
-        del versions
+    def adopt(self, root: str, versions: Mapping[str, tuple[int, str]]) -> None:
+        """Take ``versions`` (path -> (size, version), another process's: the driver's)
+        as this process's for the files under ``root``, without a request: every later
+        read of one of them reads that version or fails naming the file, so every rank
+        reads what the driver planned from. A storage without versions: nothing to do."""
+        del root, versions

@@ -11,9 +11,11 @@ says otherwise. With no credentials anywhere, requests go unsigned (public bucke
 Reads:
 
 * one version: the first request that sees a key (a listing, a HEAD, a header read)
-  pins its ETag, and every later GET of it in this process carries ``If-Match``; an
-  object that changed is a :class:`~rayload.errors.StorageError` naming the key, never
-  bytes of two versions; a new :func:`open_checkpoint` (a reload) pins afresh.
+  pins its size and ETag, and every later GET of it in this process carries
+  ``If-Match``; an object that changed is a :class:`~rayload.errors.StorageError` naming
+  the key, never bytes of two versions; a new :func:`open_checkpoint` (a reload) pins
+  afresh. A rank given the driver's checkpoint adopts its pins (:meth:`S3Storage.adopt`)
+  and sends no request but its data GETs.
 * throttling (503 SlowDown), other 5xx and connection errors before the body are
   retried (exponential backoff with full jitter, at most :data:`_API_ATTEMPTS`
   attempts); a body cut short (reset, short read, time-out) is resumed from the first
@@ -38,7 +40,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
@@ -110,7 +112,6 @@ class S3Storage(Storage):
         self._endpoint = ""
         self._credential_source = ""
         self._pinned: dict[str, tuple[int, str]] = {}  # key -> (size, ETag)
-        self._expected: dict[str, str] = {}  # key -> the driver's ETag
         self._listed: set[str] = set()  # prefixes listed (a key absent from them is absent)
         self._requests = self._retries = self._bytes = 0
 
@@ -271,39 +272,30 @@ class S3Storage(Storage):
         return key
 
     def _pin(self, key: str, size: int, etag: str) -> None:
-        expected = self._expected.get(key)
-        if expected is not None and expected != etag:
-            raise StorageError(
-                f"s3://{self.bucket}/{key}: the object changed after the driver read it (its "
-                f"ETag was {expected}, now {etag}; {self._endpoint}); refusing to load two "
-                "versions across ranks: load again once the upload has finished",
-                url=f"s3://{self.bucket}/{key}",
-            )
         with self._lock:
             self._pinned[key] = (size, etag)
 
-    def versions(self, root: str) -> dict[str, str]:
+    def _under(self, root: str) -> Callable[[str], bool]:
         prefix = self._key(root)
-        with self._lock:
-            return {
-                f"s3://{self.bucket}/{key}": etag
-                for key, (_, etag) in self._pinned.items()
-                if key == prefix or key.startswith(prefix + "/")
-            }
+        if not prefix:  # the whole bucket
+            return lambda key: True
+        return lambda key: key == prefix or key.startswith(prefix + "/")
 
-    def expect(self, versions: Mapping[str, str]) -> None:
-        expected = {self._key(path): etag for path, etag in versions.items()}
+    def versions(self, root: str) -> dict[str, tuple[int, str]]:
+        under = self._under(root)
         with self._lock:
-            self._expected = expected
+            return {f"s3://{self.bucket}/{k}": pin for k, pin in self._pinned.items() if under(k)}
 
-    def repin(self, root: str) -> None:
-        """Forget the versions and listings under ``root``: the next reads pin the objects
-        as they are now (a reload)."""
-        prefix = self._key(root)
+    def adopt(self, root: str, versions: Mapping[str, tuple[int, str]]) -> None:
+        """Forget the versions and listings under ``root``, then pin ``versions``: with
+        none, the next reads pin the objects as they are now (each open, a reload)."""
+        pins = {self._key(path): (int(size), etag) for path, (size, etag) in versions.items()}
+        under = self._under(root)
         with self._lock:
-            for key in [k for k in self._pinned if k == prefix or k.startswith(prefix + "/")]:
+            for key in [k for k in self._pinned if under(k)]:
                 del self._pinned[key]
-            self._listed = {p for p in self._listed if not (p + "/").startswith(prefix + "/")}
+            self._listed = {p for p in self._listed if not under(p)}
+            self._pinned.update(pins)
 
     def _get_client(self) -> Any:
         """The client whose time-outs suit the current deadline (one per distinct pair,
@@ -402,7 +394,7 @@ class S3Storage(Storage):
         if code in ("PreconditionFailed", "412") or status == 412:
             etag = self._pinned.get(key, (0, "?"))[1]
             return StorageError(
-                f"{path}: the object changed while it was being loaded (its ETag is no longer "
+                f"{path}: the object changed after its header was read (its ETag is no longer "
                 f"{etag}; {where}); refusing to mix two versions: load again once the upload "
                 "has finished",
                 url=path,
