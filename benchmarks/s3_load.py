@@ -33,7 +33,8 @@ time is from the release until the last rank has its shards):
 Reported per case: the time, the bytes the proxy served (over the checkpoint's), the
 peak RSS of the ranks (each process's ``VmHWM``, and above its RSS at the barrier).
 Then, on a local Ray cluster, 4 TP=2 replicas with peers (``auto``) against without
-(``scratch``): time of ``rayload.load`` and bytes served.
+(``scratch``): time of ``rayload.load`` and bytes served, then of the same replicas'
+``reload()`` in place (actors up: the bytes' movement alone).
 
 moto copies the whole object on every GET (``FakeKey.value``), so a request costs time in
 proportion to its object's size: the checkpoint's files are kept small (one file per few
@@ -238,55 +239,45 @@ def _run_case(case: str, url: str, proxy: Any, replay: list[Range]) -> dict[str,
     }
 
 
-def _replicas(url: str, proxy: Any, rounds: int) -> dict[str, list[tuple[float, int]]]:
+def _replicas(url: str, proxy: Any, rounds: int) -> dict[str, list[tuple[float, int, float, int]]]:
+    """Per method and round: the seconds of ``rayload.load`` of 4 TP=2 replicas, the
+    bytes served, then the seconds of their ``reload()`` in place (the actors up: only
+    the bytes move) and its bytes served."""
     import ray
 
     import rayload
 
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    prefix = url.removeprefix("s3://")
     try:
-        times: dict[str, list[tuple[float, int]]] = {"auto": [], "scratch": []}
+        times: dict[str, list[tuple[float, int, float, int]]] = {"auto": [], "scratch": []}
         for _ in range(rounds):
             for method in times:
                 proxy.clear()
                 t = time.perf_counter()
-                with rayload.load(url, 2, device="cpu", replicas=4, method=method, timeout=600):
+                with rayload.load(
+                    url, 2, device="cpu", replicas=4, method=method, timeout=600
+                ) as r:
                     elapsed = time.perf_counter() - t
-                times[method].append((elapsed, proxy.served_bytes(url.removeprefix("s3://"))))
+                    served = proxy.served_bytes(prefix)
+                    proxy.clear()
+                    t = time.perf_counter()
+                    r.reload(timeout=600)
+                    reloaded = time.perf_counter() - t
+                times[method].append((elapsed, served, reloaded, proxy.served_bytes(prefix)))
         return times
     finally:
         ray.shutdown()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--files", type=int, default=24)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--no-replicas", action="store_true")
-    args = parser.parse_args()
-
-    from rayload.loading import open_checkpoint, synthetic
-    from rayload.loading.convert import convert_checkpoint
-    from support.s3 import s3_server
-
-    # Llama's layout at a width whose split-1 rows are 0.5-2 KiB per rank at TP=4.
-    synthetic.PRESETS["bench-s3"] = synthetic.LlamaShape(4096, 1024, 4096, args.layers, 8, 4, False)
-    s3 = s3_server()
-    with tempfile.TemporaryDirectory() as tmp:
-        hf = synthetic.write_checkpoint(
-            Path(tmp) / "hf", preset="bench-s3", num_files=min(args.files, 9 * args.layers + 3)
-        )
-        converted = convert_checkpoint(hf, Path(tmp) / "tp4", TP, part_bytes=8 << 20)
-        size, files = open_checkpoint(hf).tensor_bytes, len(open_checkpoint(hf).files)
-        urls = {"hf": s3.upload(hf, "bench", "hf"), "tp4": s3.upload(converted, "bench", "tp4")}
-    print(f"checkpoint: {size / 1e6:.0f} MB of tensors, {files} files; TP={TP}")
+def _tp4(urls: dict[str, str], proxy: Any, size: int, rounds: int) -> None:
+    """The TP=4 cases, interleaved, ``rounds`` times; their table and ratios."""
     rows: dict[str, list[dict[str, Any]]] = {c: [] for c in CASES}
-    for rnd in range(args.rounds):
+    for rnd in range(rounds):
         for case in CASES:
             url = urls["tp4" if case == "rayload-converted" else "hf"]
             replay = rows["rayload"][-1]["gets"] if case == "limit" else []
-            r = _run_case(case, url, s3.proxy, replay)
+            r = _run_case(case, url, proxy, replay)
             rows[case].append(r)
             print(
                 f"round {rnd} {case:18s} {r['seconds']:6.2f} s  served "
@@ -312,16 +303,47 @@ def main() -> None:
         f"rayload-converted / limit-1x {med['rayload-converted'] / med['limit-1x']:.2f}x, "
         f"rayload-headers / rayload {med['rayload-headers'] / med['rayload']:.2f}x"
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--files", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--no-replicas", action="store_true")
+    parser.add_argument("--no-tp4", action="store_true", help="only the replicas")
+    args = parser.parse_args()
+
+    from rayload.loading import open_checkpoint, synthetic
+    from rayload.loading.convert import convert_checkpoint
+    from support.s3 import s3_server
+
+    # Llama's layout at a width whose split-1 rows are 0.5-2 KiB per rank at TP=4.
+    synthetic.PRESETS["bench-s3"] = synthetic.LlamaShape(4096, 1024, 4096, args.layers, 8, 4, False)
+    s3 = s3_server()
+    with tempfile.TemporaryDirectory() as tmp:
+        hf = synthetic.write_checkpoint(
+            Path(tmp) / "hf", preset="bench-s3", num_files=min(args.files, 9 * args.layers + 3)
+        )
+        converted = convert_checkpoint(hf, Path(tmp) / "tp4", TP, part_bytes=8 << 20)
+        size, files = open_checkpoint(hf).tensor_bytes, len(open_checkpoint(hf).files)
+        urls = {"hf": s3.upload(hf, "bench", "hf"), "tp4": s3.upload(converted, "bench", "tp4")}
+    print(f"checkpoint: {size / 1e6:.0f} MB of tensors, {files} files; TP={TP}")
+    if not args.no_tp4:
+        _tp4(urls, s3.proxy, size, args.rounds)
     if not args.no_replicas:
         times = _replicas(urls["hf"], s3.proxy, args.rounds)
-        auto = statistics.median(t for t, _ in times["auto"])
-        scratch = statistics.median(t for t, _ in times["scratch"])
-        print(
-            f"4 TP=2 replicas: with peers {auto:.2f} s, served "
-            f"{times['auto'][-1][1] / size:.3f}x; without {scratch:.2f} s, served "
-            f"{times['scratch'][-1][1] / size:.3f}x; without / with {scratch / auto:.2f}x "
-            "(target >= 2)"
-        )
+        for i, what in ((0, "load"), (2, "reload in place")):
+            auto = statistics.median(t[i] for t in times["auto"])
+            scratch = statistics.median(t[i] for t in times["scratch"])
+            print(
+                f"4 TP=2 replicas, {what}: with peers {auto:.2f} s, served "
+                f"{times['auto'][-1][i + 1] / size:.3f}x; without {scratch:.2f} s, served "
+                f"{times['scratch'][-1][i + 1] / size:.3f}x; without / with "
+                f"{scratch / auto:.2f}x (target >= 2); rounds with "
+                f"{[round(t[i], 2) for t in times['auto']]}, without "
+                f"{[round(t[i], 2) for t in times['scratch']]}"
+            )
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from rayload.actors.sharing import (
     new_replica_id,
 )
 from rayload.config import LoadConfig
-from rayload.driver import TraceOutputs, notify, place, release, validate
+from rayload.driver import TraceOutputs, notify, place, release, ship_checkpoint, validate
 from rayload.errors import ConfigError
 from rayload.loading.checkpoint import Checkpoint, open_checkpoint
 from rayload.loading.identity import peer_key
@@ -271,7 +271,7 @@ def _request(
         model_config=dict(checkpoint.config or {}) if model is not None else None,
         expert_parallel=config.expert_parallel,
         shared_copy=config.shared_copy,
-        checkpoint=checkpoint if checkpoint.versions else None,
+        checkpoint=ship_checkpoint(checkpoint),
     )
 
 

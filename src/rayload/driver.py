@@ -75,6 +75,14 @@ def validate(path: str | os.PathLike[str]) -> str:
     return source
 
 
+def ship_checkpoint(checkpoint: Checkpoint) -> Any:
+    """What the ranks get of the driver's opened ``checkpoint`` (the load request's
+    ``checkpoint``): for object storage an ObjectRef, put once for every rank and replica
+    (a checkpoint of 90k tensors pickles to ~13 MB in 0.4 s: once, not once per rank);
+    None for files, whose headers each node reads from its own copy."""
+    return ray.put(checkpoint) if checkpoint.versions else None
+
+
 def check_same_plan(loaded: ShardPlan, source: str, request: LoadRequest) -> Checkpoint:
     """The checkpoint at ``source``, opened (its headers: no tensor data read); raises
     :class:`CheckpointError` naming the first tensor it plans differently from the loaded

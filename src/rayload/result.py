@@ -25,6 +25,7 @@ from rayload.driver import (
     check_same_plan,
     release,
     reload_replicas,
+    ship_checkpoint,
     validate,
 )
 from rayload.errors import RankFailedError
@@ -196,6 +197,7 @@ class LoadResult:
             sources = reload_sources(
                 self.actors[: self.tp_size], [r.node_id for r in first], self.replica_ids[0]
             )
+        shipped = ship_checkpoint(checkpoint)
         requests = [
             replace(
                 request,
@@ -204,7 +206,7 @@ class LoadResult:
                 traceparent=trace.traceparent(),
                 peers=sources if index else (),
                 peer_wait_s=timeout,
-                checkpoint=checkpoint if checkpoint.versions else None,
+                checkpoint=shipped,
             )
             for index, request in enumerate(self._requests)
         ]

@@ -17,6 +17,7 @@ import torch
 from rayload.cli import main
 from rayload.errors import StorageError
 from rayload.loading.checkpoint import open_checkpoint
+from rayload.loading.identity import checkpoint_identity
 from rayload.loading.rank import load_rank, reload_rank
 from support.cli import assert_one_line_error
 from support.s3 import ACCESS_KEY, CANARY, ENDPOINT, S3Server, data_start
@@ -215,3 +216,22 @@ def test_a_body_that_stops_after_its_headers_is_an_error_within_the_rank_deadlin
     assert ".safetensors" in message
     assert elapsed < 4.5, elapsed
     assert any(r.status == 206 and r.body_bytes == 0 for r in proxy.requests()), "no blackhole"
+
+
+def test_the_peer_key_of_an_s3_checkpoint_costs_no_request_and_follows_its_content(
+    fresh: tuple[str, Path], s3: S3Server, tiny_llama: Path, proxy: Any
+) -> None:
+    """The key under which replicas share shards comes from the objects' sizes and ETags
+    as the checkpoint was opened: no request; the same for a copy uploaded alike; another
+    once one object is rewritten."""
+    url, first = fresh
+    checkpoint = open_checkpoint(url)
+    proxy.clear()
+    key = checkpoint_identity(checkpoint)
+    assert proxy.requests() == []
+    copy = s3.upload(tiny_llama, "models", "faults/identity-copy")
+    assert checkpoint_identity(open_checkpoint(copy)) == key
+    bucket, _, name = f"{url}/{first.name}".removeprefix("s3://").partition("/")
+    data = s3.client.get_object(Bucket=bucket, Key=name)["Body"].read()
+    s3.client.put_object(Bucket=bucket, Key=name, Body=data[:-1] + bytes([data[-1] ^ 0xFF]))
+    assert checkpoint_identity(open_checkpoint(url)) != key

@@ -17,7 +17,6 @@ from typing import Any
 from rayload.actors.peers import PeerRef
 from rayload.actors.process_group import ProcessGroupSpec
 from rayload.errors import InputError
-from rayload.loading.checkpoint import Checkpoint
 from rayload.loading.model import ModelFactory, no_phase
 from rayload.loading.report import RankReport
 
@@ -31,11 +30,12 @@ class LoadRequest:
     where rank ``r`` gets its shards from (None, or no entry: storage), and
     ``peer_wait_s`` how long it may wait for a holder that is still loading;
     ``shared_copy`` makes each loaded rank keep a copy of its shards in its node's object
-    store for receivers on that node. ``checkpoint`` is the driver's opened checkpoint
-    when it is in object storage (None for files, whose headers each node reads from its
-    own copy): the ranks read no header or listing again, only their byte ranges, of the
-    versions the driver planned from (``Checkpoint.versions``), so no two ranks load
-    different versions. ``storage_deadline``:
+    store for receivers on that node. ``checkpoint`` is an ObjectRef of the driver's
+    opened checkpoint when it is in object storage (:func:`rayload.driver.ship_checkpoint`;
+    None for files, whose headers each node reads from its own copy): the ranks read no
+    header or listing again, only their byte ranges, of the versions the driver planned
+    from (``Checkpoint.versions``), so no two ranks load different versions.
+    ``storage_deadline``:
     (seconds left of the load's timeout when the driver sent this, that timeout): the
     rank's storage requests end within it (:func:`~rayload.loading.storage.storage_deadline`),
     so an endpoint that stops answering is the rank's StorageError before the driver's
@@ -59,7 +59,7 @@ class LoadRequest:
     peers: tuple[PeerRef | None, ...] = ()
     peer_wait_s: float = 600.0
     shared_copy: bool = False
-    checkpoint: Checkpoint | None = None
+    checkpoint: Any = None
     storage_deadline: tuple[float, float] | None = None
 
     def until(self, deadline: float, timeout: float) -> LoadRequest:

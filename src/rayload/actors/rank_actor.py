@@ -59,6 +59,7 @@ from rayload.actors.peers import (
 from rayload.actors.process_group import free_port, join_process_group, leave_process_group
 from rayload.import_clock import IMPORT_START_NS, TORCH_CHILD_IMPORTS, TORCH_IMPORTED_NS
 from rayload.loading import load_rank
+from rayload.loading.checkpoint import Checkpoint
 from rayload.loading.model import ModelContext, build_and_fill, engine_phases
 from rayload.loading.probe import EnvProbe, probe_environment, read_chars
 from rayload.loading.rank import PostLoad, reload_rank
@@ -240,7 +241,7 @@ class RankActor:
                     post_load=self._model_builder(request, device, timer),
                     expert_parallel=request.expert_parallel,
                     peer=self._peer_source(request),
-                    checkpoint=request.checkpoint,
+                    checkpoint=_drivers_checkpoint(request),
                 )
             report = _with_node(report, self._node_id, request.replica_index)
             self._report = report
@@ -369,7 +370,7 @@ class RankActor:
                     expert_parallel=request.expert_parallel,
                     written=written,
                     peer=self._peer_source(request),
-                    checkpoint=request.checkpoint,
+                    checkpoint=_drivers_checkpoint(request),
                 )
             report = _with_node(report, self._node_id, request.replica_index)
             self._report = report
@@ -517,6 +518,11 @@ def _storage_deadline(request: LoadRequest) -> AbstractContextManager[None]:
         return nullcontext()
     left, timeout = request.storage_deadline
     return storage_deadline(left, of=timeout)
+
+
+def _drivers_checkpoint(request: LoadRequest) -> Checkpoint | None:
+    """The driver's opened checkpoint the request carries a reference to (object storage)."""
+    return None if request.checkpoint is None else ray.get(request.checkpoint)
 
 
 def _with_node(report: RankReport, node_id: str, replica: int | None) -> RankReport:

@@ -21,10 +21,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from rayload.errors import CheckpointError
 from rayload.loading.header import FileHeader, TensorInfo, read_header
@@ -42,6 +42,8 @@ SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 
 _MAX_HEADER_THREADS = 16
+K = TypeVar("K")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -359,12 +361,18 @@ def _inside_remote(root: str, name: str, *, referrer: str) -> str:
 
 
 def read_headers(paths: list[str]) -> list[FileHeader]:
-    """Headers of ``paths``, in order; read in parallel (network filesystems pay a round
-    trip per file), the first error raised in path order."""
-    if len(paths) <= 1:
-        return [read_header(p) for p in paths]
-    with ThreadPoolExecutor(min(_MAX_HEADER_THREADS, len(paths))) as pool:
-        return list(pool.map(read_header, paths))
+    """Headers of ``paths``, in order; read in parallel (see :func:`per_file`)."""
+    return per_file(read_header, paths)
+
+
+def per_file(read: Callable[[K], T], items: Sequence[K]) -> list[T]:
+    """``read(item)`` of each of ``items`` (paths, or (path, offset) blocks), in order, up
+    to 16 at once: object storage and network filesystems pay a round trip per request,
+    so a checkpoint's files are read side by side. The first error is raised in order."""
+    if len(items) <= 1:
+        return [read(p) for p in items]
+    with ThreadPoolExecutor(min(_MAX_HEADER_THREADS, len(items))) as pool:
+        return list(pool.map(read, items))
 
 
 def read_json(path: str, *, what: str) -> Any:

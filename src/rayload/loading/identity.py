@@ -14,6 +14,12 @@ files hold, cheaply: headers and a sample of the data, never all of it.
   differ only between the sampled blocks (e.g. a few tensors edited in place) would still
   share a key: for those, ``rayload convert`` them (whole-file CRC-32s) or load with
   ``peers=False``.
+* The same layouts in object storage (``s3://``): each object's path in the checkpoint,
+  size and ETag as the checkpoint was opened (``Checkpoint.versions``), without a
+  request. A new write of an object gives it a new ETag; a copy keeps it where the store
+  derives ETags from the content (an MD5, or the MD5s of the same parts: copies uploaded
+  alike, server-side copies), and otherwise gets another key (no sharing, never wrong
+  sharing). An ``s3://`` checkpoint and a local copy of it have different keys.
 * Converted layout: the manifest's tp size and each file's size and CRC-32 (which
   ``rayload convert`` computed over the whole file, data included).
 
@@ -28,9 +34,9 @@ import json
 import os
 
 from rayload.errors import CheckpointError
-from rayload.loading.checkpoint import Checkpoint
+from rayload.loading.checkpoint import Checkpoint, per_file
 from rayload.loading.plan import ShardPlan
-from rayload.loading.storage import is_remote, storage_for
+from rayload.loading.storage import is_remote
 
 SAMPLES = 16
 SAMPLE_BYTES = 4096
@@ -46,8 +52,11 @@ the handful of checkpoints a cluster holds)."""
 def checkpoint_identity(checkpoint: Checkpoint) -> str:
     """The SHA-256 (hex) of the checkpoint's content as its headers and sampled data (or,
     converted, its manifest) describe it; the same for a copy at another path. Reads
-    each file's header and :data:`SAMPLES` blocks of :data:`SAMPLE_BYTES`; CheckpointError
-    naming the file when one cannot be read."""
+    each file's header and :data:`SAMPLES` blocks of :data:`SAMPLE_BYTES`, the files side
+    by side; CheckpointError naming the file when one cannot be read. In object storage
+    it reads nothing: each object's size and ETag, as the checkpoint was opened, stand
+    for its content (18 GETs per file, one after the other, took 20 s of a load of 24
+    files against the tests' server)."""
     if checkpoint.layout == "converted":
         manifest = checkpoint.manifest
         assert manifest is not None, "a converted checkpoint has its manifest"
@@ -56,12 +65,17 @@ def checkpoint_identity(checkpoint: Checkpoint) -> str:
             for name, entry in sorted(manifest.files.items())
         }
         return _sha256({"layout": "converted", "tp_size": manifest.tp_size, "files": entries})
-    files = {
-        _relative(checkpoint.root, path): {
-            "size": storage_for(path).size(path),
-            "sha256": _header_and_samples_sha256(path),
+    if is_remote(checkpoint.root):  # the store's own version of each object: no request
+        files = {
+            _relative(checkpoint.root, path): {"size": size, "etag": etag}
+            for path, (size, etag) in checkpoint.versions.items()
+            if path in checkpoint.files
         }
-        for path in checkpoint.files
+        return _sha256({"layout": "hf-object-store", "files": dict(sorted(files.items()))})
+    digests = per_file(_file_sha256, checkpoint.files)
+    files = {
+        _relative(checkpoint.root, path): {"size": os.path.getsize(path), "sha256": sha}
+        for path, sha in zip(checkpoint.files, digests, strict=True)
     }
     return _sha256({"layout": "hf", "files": dict(sorted(files.items()))})
 
@@ -107,19 +121,11 @@ def _relative(root: str, path: str) -> str:
     return os.path.relpath(path, root).replace(os.sep, "/")
 
 
-def _header_and_samples_sha256(path: str) -> str:
+def _file_sha256(path: str) -> str:
     """SHA-256 of the 8-byte header length, the JSON header of ``path`` and
     :data:`SAMPLES` blocks of its data, evenly spaced from the first byte after the header
     to the last."""
     digest = hashlib.sha256()
-    if is_remote(path):  # the same bytes, by ranged GETs
-        storage = storage_for(path)
-        prefix = storage.read(path, 0, 8)
-        header = storage.read(path, 8, int.from_bytes(prefix, "little"))
-        digest.update(prefix + header)
-        for offset in _sample_offsets(8 + len(header), storage.size(path)):
-            digest.update(storage.read(path, offset, SAMPLE_BYTES))
-        return digest.hexdigest()
     try:
         with open(path, "rb", buffering=0) as file:  # unbuffered: no read-ahead
             prefix = file.read(8)
