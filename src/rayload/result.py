@@ -29,7 +29,6 @@ from rayload.driver import (
     validate,
 )
 from rayload.errors import RankFailedError
-from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.identity import peer_key
 from rayload.loading.methods import LoadMethod
 from rayload.loading.plan import ShardPlan
@@ -220,7 +219,7 @@ class LoadResult:
             outputs.write(trace.finish(error=str(exc) or type(exc).__name__))
             raise
         if self._sharing is not None and self._sharing.registered:  # else nobody to re-key
-            self._sharing.loaded(self.replica_ids, key=self._reload_key(source))
+            self._sharing.loaded(self.replica_ids, key=peer_key(checkpoint, self.plan))
         warnings = mixed_method_warnings(ranks)
         metrics = startup_metrics(
             ranks,
@@ -288,10 +287,6 @@ class LoadResult:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-    def _reload_key(self, source: str) -> str:
-        """The peer key the replicas hold after a reload of the checkpoint at ``source``."""
-        return peer_key(open_checkpoint(source), self.plan)
 
     def _check_open(self) -> None:
         if not self._groups:
