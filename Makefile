@@ -51,11 +51,12 @@ demo: setup
 	$(BIN)/rayload demo
 
 # `make test` builds .venv-vllm (pip: network and disk bound) in the background while the
-# main suite runs, then runs tests/vllm in it. Both suites always run; the exit status is
+# main suite runs, at a lower CPU priority (nice) so that the suite is not slowed by it,
+# then runs tests/vllm in it. Both suites always run; the exit status is
 # the main suite's when it failed, else that of the venv build (its log is shown) or of
 # tests/vllm.
 test: setup
-	@$(SUBMAKE) --no-print-directory setup-vllm >$(VLLM_SETUP_LOG) 2>&1 & vllm_setup=$$!; \
+	@nice -n 10 $(SUBMAKE) --no-print-directory setup-vllm >$(VLLM_SETUP_LOG) 2>&1 & vllm_setup=$$!; \
 	./scripts/install-system-deps.sh && $(BIN)/python -m pytest -q; main=$$?; \
 	echo "make test: tests/vllm next, in $(VLLM_VENV) (its build's log: $(VLLM_SETUP_LOG))"; \
 	if wait $$vllm_setup; then \

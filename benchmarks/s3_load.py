@@ -30,6 +30,10 @@ time is from the release until the last rank has its shards):
   in bytes (not in time: moto copies a whole object per GET, so 4 MiB GETs of 6 MB
   objects cost it more than fewer larger ones; the converted layout beats it).
 
+``--server-mbps N`` makes the proxy send bodies at N MB/s for all connections together,
+as one link to a remote store of that speed would: a run bound by the store's bandwidth
+rather than by this machine's CPU (label its figures so).
+
 Reported per case: the time, the bytes the proxy served (over the checkpoint's), the
 peak RSS of the ranks (each process's ``VmHWM``, and above its RSS at the barrier).
 Then, on a local Ray cluster, 4 TP=2 replicas with peers (``auto``) against without
@@ -312,6 +316,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--no-replicas", action="store_true")
     parser.add_argument("--no-tp4", action="store_true", help="only the replicas")
+    parser.add_argument(
+        "--server-mbps",
+        type=float,
+        default=0.0,
+        help="limit the server to this many MB/s of body, all connections together, as a "
+        "link to a remote store would (default: none)",
+    )
     args = parser.parse_args()
 
     from rayload.loading import open_checkpoint, synthetic
@@ -328,7 +339,9 @@ def main() -> None:
         converted = convert_checkpoint(hf, Path(tmp) / "tp4", TP, part_bytes=8 << 20)
         size, files = open_checkpoint(hf).tensor_bytes, len(open_checkpoint(hf).files)
         urls = {"hf": s3.upload(hf, "bench", "hf"), "tp4": s3.upload(converted, "bench", "tp4")}
-    print(f"checkpoint: {size / 1e6:.0f} MB of tensors, {files} files; TP={TP}")
+    s3.proxy.rate = args.server_mbps * 1e6
+    limit = f"{args.server_mbps:g} MB/s" if args.server_mbps else "none"
+    print(f"checkpoint: {size / 1e6:.0f} MB of tensors, {files} files; TP={TP}; link: {limit}")
     if not args.no_tp4:
         _tp4(urls, s3.proxy, size, args.rounds)
     if not args.no_replicas:

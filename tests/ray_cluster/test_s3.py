@@ -100,18 +100,9 @@ def medium_url(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> tuple[
     return url, open_checkpoint(path).total_bytes
 
 
-def _served(s3: S3Server, url: str, replicas: int, method: str) -> tuple[int, Any]:
-    """Bytes the server served for one load of ``replicas`` TP=2 replicas, and the load's
-    rank reports."""
-    s3.proxy.clear()
-    with rayload.load(url, 2, device="cpu", replicas=replicas, method=method, timeout=300) as r:
-        ranks = r.ranks
-    return s3.proxy.served_bytes(url.removeprefix("s3://") + "/"), ranks
-
-
 def _metadata_served(s3: S3Server, url: str) -> int:
-    """Bytes the driver's reads are served, once per load whatever the replicas: the
-    headers and config, and the identity samples of the peer key."""
+    """Bytes the driver's reads are served, once per load or reload whatever the
+    replicas: the headers and config (the peer key of object storage reads nothing)."""
     s3.proxy.clear()
     checkpoint = open_checkpoint(url)
     peer_key(checkpoint, plan_shards(checkpoint, 2))
@@ -121,25 +112,37 @@ def _metadata_served(s3: S3Server, url: str) -> int:
 def test_four_replicas_are_served_one_replicas_bytes_with_peers_four_times_without(
     s3: S3Server, medium_url: tuple[str, int], no_leaks: Any
 ) -> None:
+    """4 TP=2 replicas loaded with peers: the server serves one replica's bytes (replica 0
+    fetches, the others receive). The same replicas reloaded with ``scratch`` (no peers:
+    every replica reads storage, into the same actors): 4.0x. Both by the server's count."""
     url, size = medium_url
+    prefix = url.removeprefix("s3://") + "/"
     driver = _metadata_served(s3, url)
-    one, _ = _served(s3, url, 1, "auto")
-    with_peers, ranks = _served(s3, url, 4, "auto")
-    without, _ = _served(s3, url, 4, "scratch")  # scratch ignores peers: every replica reads
+    s3.proxy.clear()
+    with rayload.load(url, 2, device="cpu", replicas=4, method="auto", timeout=300) as result:
+        with_peers, ranks = s3.proxy.served_bytes(prefix), result.ranks
+        s3.proxy.clear()
+        result.reload(method="scratch", timeout=300)
+        without, scratch = s3.proxy.served_bytes(prefix), result.ranks
     receivers = [r for r in ranks if r.replica]
     assert len(receivers) == 6
     assert all(
         r.method.effective is LoadMethod.PEER and r.bytes_from_storage == 0 for r in receivers
     )
-    ranks_one = one - driver  # what one replica's ranks fetched
+    assert all(r.method.effective is LoadMethod.SCRATCH for r in scratch)
+    per_replica = [sum(r.bytes_read for r in scratch if r.replica == i) for i in range(4)]
+    one = driver + per_replica[0]  # one replica's load, as the server counts it
+    assert without - driver == sum(r.bytes_read for r in scratch)  # the server, the ranks agree
+    assert len(set(per_replica)) == 1  # every replica fetched the same bytes
     print(
         f"served: one TP=2 replica {one / size:.3f}x the checkpoint (driver {driver} B); "
         f"4 replicas with peers {with_peers / one:.3f}x one replica, without "
-        f"{(without - driver) / ranks_one:.3f}x its ranks' bytes"
+        f"{(without - driver) / per_replica[0]:.3f}x its ranks' bytes"
     )
     assert 0 < driver < 0.05 * size
+    assert sum(r.bytes_from_storage for r in ranks) == per_replica[0]  # replica 0's only
     assert with_peers <= 1.02 * one
-    assert 3.98 * ranks_one <= without - driver <= 4.02 * ranks_one
+    assert 3.98 * per_replica[0] <= without - driver <= 4.02 * per_replica[0]
 
 
 def test_the_secret_key_reaches_no_output_trace_log_or_state_api(

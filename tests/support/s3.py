@@ -60,6 +60,10 @@ PROXY_PORT = _free_port()
 ENDPOINT = f"http://127.0.0.1:{PROXY_PORT}"
 
 
+_PACE_BYTES = 256 << 10
+"""The body goes in pieces of this size when the proxy's rate is limited."""
+
+
 def data_start(path: Path) -> int:
     """Where a local safetensors file's tensor bytes begin (after its 8 bytes and header)."""
     with path.open("rb") as f:
@@ -123,6 +127,20 @@ class S3Proxy:
     client: Any = None
     released: threading.Event = field(default_factory=threading.Event)
     """Set by :meth:`clear`: the blackholed connections then close."""
+    rate: float = 0.0
+    """Bytes per second of body the proxy sends, all connections together, as one link
+    of that speed would (0: as fast as it can; the benchmarks' bandwidth-bound runs)."""
+    _link_free: float = 0.0
+
+    def pace(self, n: int) -> None:
+        """Wait until ``n`` more body bytes have crossed the link of :attr:`rate`."""
+        if self.rate <= 0:
+            return
+        with self.lock:
+            start = max(self._link_free, time.monotonic())
+            self._link_free = start + n / self.rate
+            done = self._link_free
+        time.sleep(max(0.0, done - time.monotonic()))
 
     def inject(
         self,
@@ -258,7 +276,10 @@ def _handler(proxy: S3Proxy) -> type[BaseHTTPRequestHandler]:
                         )
                     self.close_connection = True
                 elif method != "HEAD":
-                    self.wfile.write(data)
+                    view = memoryview(data)
+                    for at in range(0, len(data), _PACE_BYTES):
+                        proxy.pace(min(_PACE_BYTES, len(data) - at))
+                        self.wfile.write(view[at : at + _PACE_BYTES])
             finally:
                 upstream.close()
 
