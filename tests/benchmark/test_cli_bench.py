@@ -30,6 +30,7 @@ def test_bench_cli_writes_report_and_exits_zero(
         "--workdir",
         str(tmp_path / "work"),
         "--no-startup",  # whole rayload.load timings: tests/benchmark/test_startup.py
+        "--no-split-probe",  # its rows: tests/benchmark/test_harness.py (bench_result)
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out

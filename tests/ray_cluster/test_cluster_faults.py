@@ -31,8 +31,8 @@ HANG_ON_READ = {"fault": {"rank": 1, "phase": "rank.read", "action": "hang", "se
 
 pytestmark = pytest.mark.slow
 
-IDLE_WINDOW_S = 10
-"""How long the waiting driver's CPU time is measured: ten of the wait's 1 s head probes
+IDLE_WINDOW_S = 5
+"""How long the waiting driver's CPU time is measured: five of the wait's 1 s head probes
 (rayload.cluster.PROBE_INTERVAL_S); a driver that spins uses a whole core in any window."""
 
 _STATE_SCRIPT = """
