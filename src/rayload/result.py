@@ -229,7 +229,7 @@ class LoadResult:
         )
         files = outputs.write(trace.finish())
         self.ranks = ranks
-        self._requests = [replace(r, path=source) for r in self._requests]
+        self._requests = [replace(r, path=source, checkpoint=shipped) for r in self._requests]
         return ReloadResult(
             trace_id=trace.trace_id,
             path=source,

@@ -20,7 +20,7 @@ from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.identity import checkpoint_identity
 from rayload.loading.rank import load_rank, reload_rank
 from support.cli import assert_one_line_error
-from support.s3 import ACCESS_KEY, CANARY, ENDPOINT, S3Server, data_start
+from support.s3 import ACCESS_KEY, CANARY, ENDPOINT, S3Server, data_start, rewrite
 
 
 @pytest.fixture
@@ -94,9 +94,7 @@ def test_a_rank_given_the_drivers_checkpoint_refuses_an_object_changed_since(
     checkpoint = open_checkpoint(url)  # the driver
     changed = f"{url}/{first.name}"
     assert changed in checkpoint.versions and f"{url}/config.json" in checkpoint.versions
-    bucket, _, key = changed.removeprefix("s3://").partition("/")
-    data = s3.client.get_object(Bucket=bucket, Key=key)["Body"].read()
-    s3.client.put_object(Bucket=bucket, Key=key, Body=data[:-1] + bytes([data[-1] ^ 0xFF]))
+    rewrite(s3.client, *changed.removeprefix("s3://").split("/", 1))
     with pytest.raises(StorageError, match="changed after its header was read") as info:
         load_rank(url, 0, 2, checkpoint=checkpoint)  # the rank, from the request
     assert changed in str(info.value) and checkpoint.versions[changed][1] in str(info.value)
@@ -231,7 +229,5 @@ def test_the_peer_key_of_an_s3_checkpoint_costs_no_request_and_follows_its_conte
     assert proxy.requests() == []
     copy = s3.upload(tiny_llama, "models", "faults/identity-copy")
     assert checkpoint_identity(open_checkpoint(copy)) == key
-    bucket, _, name = f"{url}/{first.name}".removeprefix("s3://").partition("/")
-    data = s3.client.get_object(Bucket=bucket, Key=name)["Body"].read()
-    s3.client.put_object(Bucket=bucket, Key=name, Body=data[:-1] + bytes([data[-1] ^ 0xFF]))
+    rewrite(s3.client, *f"{url}/{first.name}".removeprefix("s3://").split("/", 1))
     assert checkpoint_identity(open_checkpoint(url)) != key

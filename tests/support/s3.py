@@ -64,6 +64,14 @@ _PACE_BYTES = 256 << 10
 """The body goes in pieces of this size when the proxy's rate is limited."""
 
 
+def rewrite(client: Any, bucket: str, key: str) -> None:
+    """Write ``bucket/key`` anew with its last byte flipped (same size: a new version)."""
+    old = client.get_object(Bucket=bucket, Key=key)["Body"].read()
+    client.put_object(
+        Bucket=bucket, Key=key, Body=old[:-1] + bytes([old[-1] ^ 0xFF]) if old else b"x"
+    )
+
+
 def data_start(path: Path) -> int:
     """Where a local safetensors file's tensor bytes begin (after its 8 bytes and header)."""
     with path.open("rb") as f:
@@ -241,9 +249,7 @@ def _handler(proxy: S3Proxy) -> type[BaseHTTPRequestHandler]:
                 headers = {k: v for k, v in headers.items() if k.lower() != "range"}
             if fault == "rewrite":
                 bucket, _, name = key.partition("/")
-                old = proxy.client.get_object(Bucket=bucket, Key=name)["Body"].read()
-                new = old[:-1] + bytes([old[-1] ^ 0xFF]) if old else b"x"
-                proxy.client.put_object(Bucket=bucket, Key=name, Body=new)
+                rewrite(proxy.client, bucket, name)
             upstream = http.client.HTTPConnection(*proxy.upstream, timeout=60)
             try:
                 upstream.request(method, self.path, body=body, headers=headers)

@@ -42,7 +42,6 @@ SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 
 _MAX_HEADER_THREADS = 16
-K = TypeVar("K")
 T = TypeVar("T")
 
 
@@ -365,14 +364,14 @@ def read_headers(paths: list[str]) -> list[FileHeader]:
     return per_file(read_header, paths)
 
 
-def per_file(read: Callable[[K], T], items: Sequence[K]) -> list[T]:
-    """``read(item)`` of each of ``items`` (paths, or (path, offset) blocks), in order, up
-    to 16 at once: object storage and network filesystems pay a round trip per request,
-    so a checkpoint's files are read side by side. The first error is raised in order."""
-    if len(items) <= 1:
-        return [read(p) for p in items]
-    with ThreadPoolExecutor(min(_MAX_HEADER_THREADS, len(items))) as pool:
-        return list(pool.map(read, items))
+def per_file(read: Callable[[str], T], paths: Sequence[str]) -> list[T]:
+    """``read(path)`` of each of ``paths``, in order, up to 16 at once: object storage and
+    network filesystems pay a round trip per request, so a checkpoint's files are read
+    side by side. The first error is raised in path order."""
+    if len(paths) <= 1:
+        return [read(p) for p in paths]
+    with ThreadPoolExecutor(min(_MAX_HEADER_THREADS, len(paths))) as pool:
+        return list(pool.map(read, paths))
 
 
 def read_json(path: str, *, what: str) -> Any:

@@ -67,9 +67,10 @@ def checkpoint_identity(checkpoint: Checkpoint) -> str:
         return _sha256({"layout": "converted", "tp_size": manifest.tp_size, "files": entries})
     if is_remote(checkpoint.root):  # the store's own version of each object: no request
         files = {
-            _relative(checkpoint.root, path): {"size": size, "etag": etag}
-            for path, (size, etag) in checkpoint.versions.items()
-            if path in checkpoint.files
+            _relative(checkpoint.root, path): dict(
+                zip(("size", "etag"), checkpoint.versions[path], strict=True)
+            )
+            for path in checkpoint.files
         }
         return _sha256({"layout": "hf-object-store", "files": dict(sorted(files.items()))})
     digests = per_file(_file_sha256, checkpoint.files)
