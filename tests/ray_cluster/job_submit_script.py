@@ -57,17 +57,25 @@ def processes_using(temp_dir: str) -> list[psutil.Process]:
     return found
 
 
-def _wait_for_dashboard(url: str, head: subprocess.Popen[str], timeout_s: float) -> None:
+def _wait_until_serving(urls: list[str], head: subprocess.Popen[str], timeout_s: float) -> None:
+    """Until each of ``urls`` answers HTTP (any status): the dashboard, and the head's
+    dashboard agent, whose address the dashboard looks up for ``ray job submit``. The agent
+    registers it right after its HTTP server starts; a submit before that waits 10 s on the
+    dashboard, then fails "No available agent to submit job" (seen in CI under load)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if head.poll() is not None:
-            raise AssertionError(f"ray start exited with {head.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/api/version", timeout=2):
-                return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            time.sleep(0.5)
-    raise AssertionError(f"the dashboard at {url} did not come up in {timeout_s:.0f} s")
+    for url in urls:
+        while True:
+            if head.poll() is not None:
+                raise AssertionError(f"ray start exited with {head.returncode}")
+            try:
+                with urllib.request.urlopen(url, timeout=2):
+                    break
+            except urllib.error.HTTPError:
+                break  # it answered
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{url} did not answer in {timeout_s:.0f} s") from None
+                time.sleep(0.5)
 
 
 def job_env() -> dict[str, str]:
@@ -111,7 +119,7 @@ def head_node(env: dict[str, str]) -> Iterator[tuple[str, str]]:
     )
     url = f"http://127.0.0.1:{dashboard}"
     try:
-        _wait_for_dashboard(url, head, timeout_s=120)
+        _wait_until_serving([f"{url}/api/version", f"http://127.0.0.1:{agent}/"], head, 120)
         yield url, temp_dir
     finally:
         head.send_signal(signal.SIGINT)  # `ray start --block` stops its processes on ^C
