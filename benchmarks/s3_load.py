@@ -8,11 +8,15 @@ Cases (one fresh spawned process per rank, all released at once by a barrier; a 
 time is from the release until the last rank has its shards):
 
 * ``rayload``: each rank runs :func:`rayload.load_rank` on the ``s3://`` checkpoint as
-  ``rayload.load``'s rank actors do: given the driver's opened checkpoint (the plan every
-  case gets before the clock), it sends only its own byte ranges as ranged GETs,
-  straight into its tensors;
-* ``rayload-headers``: the same, each rank opening the checkpoint itself (listing it and
-  reading every header, as a rank on its own does: a vLLM worker);
+  ``rayload.load``'s rank actors do: in the load's process group (gloo, joined before
+  the clock, as ``rank.process_group`` precedes the read), given the driver's opened
+  checkpoint (the plan every case gets before the clock), it sends only its own byte
+  ranges as ranged GETs, straight into its tensors, and the group fetches each split-1
+  tensor once (one rank whole, scattering the columns: ``loading/reader/group``);
+* ``rayload-unshared``: the same without the process group: each rank fetches its
+  split-1 rows as runs, other ranks' columns included;
+* ``rayload-headers``: ``rayload-unshared`` with each rank opening the checkpoint itself
+  (listing it and reading every header, as a rank on its own does: a vLLM worker);
 * ``rayload-converted``: ``rayload`` from the checkpoint converted for TP=4;
 * ``runai``: Run:ai Model Streamer (``runai-model-streamer`` and
   ``runai-model-streamer-s3``, the path behind vLLM's ``runai_streamer``), each rank
@@ -62,6 +66,7 @@ TP = 4
 _LIMIT_GET = 4 << 20
 CASES = (
     "rayload",
+    "rayload-unshared",
     "rayload-headers",
     "rayload-converted",
     "runai",
@@ -86,9 +91,11 @@ def _hwm_mb() -> float:
     return int(line.split()[1]) / 1e3
 
 
-def _rank_main(case: str, url: str, rank: int, replay: list[Range], barrier: Any, out: Any) -> None:
+def _rank_main(
+    case: str, url: str, rank: int, replay: list[Range], barrier: Any, out: Any, port: int
+) -> None:
     os.environ["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] = "0"
-    run = _prepare(case, url, rank, replay)
+    run = _prepare(case, url, rank, replay, port)
     base = _rss_mb()
     barrier.wait()
     start = time.time()
@@ -98,11 +105,14 @@ def _rank_main(case: str, url: str, rank: int, replay: list[Range], barrier: Any
     out.put((rank, start, end, peak, base, nbytes))
 
 
-def _prepare(case: str, url: str, rank: int, replay: list[Range]) -> Callable[[], int]:
+def _prepare(
+    case: str, url: str, rank: int, replay: list[Range], port: int
+) -> Callable[[], int]:
     """Import and set up what ``case`` needs (before the clock starts); the returned
     function loads rank ``rank``'s shards and returns their bytes (``limit``: replays
     ``replay``'s GETs)."""
     import torch
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
     from rayload.loading import load_rank, open_checkpoint, plan_shards
@@ -110,9 +120,15 @@ def _prepare(case: str, url: str, rank: int, replay: list[Range]) -> Callable[[]
     checkpoint = open_checkpoint(url)  # headers (not timed: every case needs the plan)
     if case.startswith("rayload"):
         given = None if case == "rayload-headers" else checkpoint
+        group = None
+        if case in ("rayload", "rayload-converted"):
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP
+            )
+            group = dist.group.WORLD
 
         def rayload_rank() -> int:
-            tensors, _ = load_rank(url, rank, TP, "auto", checkpoint=given)
+            tensors, _ = load_rank(url, rank, TP, "auto", checkpoint=given, group=group)
             return sum(t.numel() * t.element_size() for t in tensors.values())
 
         return rayload_rank
@@ -219,10 +235,14 @@ def _shard_of(tensor: Any, shard: Any) -> Any:
 
 
 def _run_case(case: str, url: str, proxy: Any, replay: list[Range]) -> dict[str, Any]:
+    from rayload.actors.process_group import free_port
+
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(TP + 1), ctx.Queue()
+    port = free_port()  # the rayload cases' process group
     procs = [
-        ctx.Process(target=_rank_main, args=(case, url, r, replay, barrier, out)) for r in range(TP)
+        ctx.Process(target=_rank_main, args=(case, url, r, replay, barrier, out, port))
+        for r in range(TP)
     ]
     for p in procs:
         p.start()
@@ -305,7 +325,8 @@ def _tp4(urls: dict[str, str], proxy: Any, size: int, rounds: int) -> None:
         f"rayload / limit (its own GETs, raw) {med['rayload'] / med['limit']:.2f}x "
         f"(target <= 1.2), rayload / limit-1x {med['rayload'] / med['limit-1x']:.2f}x, "
         f"rayload-converted / limit-1x {med['rayload-converted'] / med['limit-1x']:.2f}x, "
-        f"rayload-headers / rayload {med['rayload-headers'] / med['rayload']:.2f}x"
+        f"rayload-headers / rayload {med['rayload-headers'] / med['rayload']:.2f}x, "
+        f"rayload-unshared / rayload {med['rayload-unshared'] / med['rayload']:.2f}x"
     )
 
 

@@ -39,6 +39,7 @@ from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.identity import SAMPLE_BYTES, peer_key
 from rayload.loading.methods import LoadMethod
 from rayload.models import build_model
+from support.group_ranks import group_bytes
 from support.s3 import CANARY, S3Server, data_start, files_containing, s3_server
 from support.transformers_models import Reference, reference_logits
 
@@ -62,10 +63,12 @@ def test_tp_forward_over_shards_from_s3_equals_transformers(
 ) -> None:
     """The load, then a reload in place from the same prefix: each rank reads only its
     byte ranges (the driver hands it the opened checkpoint: the server sees the headers
-    read once per load, by the driver), and the forward equals transformers' both times."""
+    read once per load, by the driver), the group fetches each split-1 tensor once, and
+    the forward equals transformers' both times."""
     ref = reference("llama_gqa")
     url = s3.upload(ref.path, "ray-models", "llama-gqa")
     files = sorted(ref.path.glob("*.safetensors"))
+    plan = plan_shards(open_checkpoint(ref.path), 2)
     with rayload.load(url, tp_size=2, device="cpu", model=build_model, timeout=180) as result:
         assert [r.storage for r in result.ranks] == ["s3", "s3"]
         assert all(r.method.effective is LoadMethod.SCRATCH for r in result.ranks)
@@ -83,9 +86,12 @@ def test_tp_forward_over_shards_from_s3_equals_transformers(
             < data_start(f)
         ]
         assert len(header_gets) == 2 * len(files), header_gets  # the driver's, 8 B + header
-        assert sum(r.body_bytes for r in gets if r not in header_gets) >= sum(
-            r.bytes_read for r in result.ranks
+        # The ranks shared their split-1 tensors (the load's gloo group): each fetched once.
+        data = sum(
+            r.body_bytes for r in gets if r not in header_gets and r.key.endswith(".safetensors")
         )
+        assert data == sum(r.bytes_read for r in result.ranks) == group_bytes(plan)
+        assert data < 1.01 * plan.checkpoint_bytes
     for output in (o for each in outputs for o in each):
         diff = (output["logits"] - ref.logits).abs().max().item()
         assert diff <= 1e-4, f"rank {output['rank']}: max |diff| {diff}"

@@ -242,6 +242,7 @@ class RankActor:
                     expert_parallel=request.expert_parallel,
                     peer=self._peer_source(request),
                     checkpoint=_drivers_checkpoint(request),
+                    group=self._storage_group(request),
                 )
             report = _with_node(report, self._node_id, request.replica_index)
             self._report = report
@@ -254,6 +255,12 @@ class RankActor:
             self._tensors, self._model = {}, None
             self._shards.failed(error.describe())
         return self._outcome(request, timer, start_ns, report, error, rchar=rchar)
+
+    def _storage_group(self, request: LoadRequest) -> Any:
+        """The load's process group when this replica's ranks all read storage (none of
+        them receives from a peer): then they fetch split-1 tensors from object storage
+        once between them (``load_rank``'s ``group``)."""
+        return None if request.peers else self._process_group
 
     def _peer_source(self, request: LoadRequest) -> RayPeerSource | None:
         """The rank of another replica this rank is to load from (None: storage)."""
@@ -371,6 +378,7 @@ class RankActor:
                     written=written,
                     peer=self._peer_source(request),
                     checkpoint=_drivers_checkpoint(request),
+                    group=self._storage_group(request),
                 )
             report = _with_node(report, self._node_id, request.replica_index)
             self._report = report

@@ -68,6 +68,7 @@ def load_rank(
     peer: PeerSource | None = None,
     adjust_plan: AdjustPlan | None = None,
     checkpoint: Checkpoint | None = None,
+    group: Any = None,
 ) -> tuple[dict[str, torch.Tensor], RankReport]:
     """Load rank ``rank`` of ``tp_size`` of the checkpoint at ``path`` onto ``device``.
 
@@ -86,6 +87,10 @@ def load_rank(
     ``checkpoint`` is ``path`` as another process opened it (the driver's, for object
     storage): no header is read again, and every byte comes from the versions it records
     (``Checkpoint.versions``) or the load fails naming the object that changed.
+    ``group`` is the ``torch.distributed`` group of the rank's TP group (rank ``rank`` of
+    ``tp_size``), every rank of it loading the same checkpoint from object storage alike
+    (the same call, at the same time): its ranks then fetch each split-1 tensor once
+    between them, the owner scattering the columns (:mod:`~rayload.loading.reader.group`).
 
     Returns the tensors (this rank's shards by name) and the :class:`RankReport`, whose
     ``start_ns`` is taken before any config or header is parsed.
@@ -108,6 +113,7 @@ def load_rank(
         peer=peer,
         adjust_plan=adjust_plan,
         checkpoint=checkpoint,
+        group=group,
     )
     tensors = result.tensors
 
@@ -137,6 +143,7 @@ def reload_rank(
     written: set[str] | None = None,
     peer: PeerSource | None = None,
     checkpoint: Checkpoint | None = None,
+    group: Any = None,
 ) -> RankReport:
     """Load rank ``rank`` of the checkpoint at ``path`` into ``tensors``, the rank's
     resident tensors from an earlier :func:`load_rank` (or views a ``model=`` module shares
@@ -153,7 +160,8 @@ def reload_rank(
     the phases are the same (``rank.post_load`` is empty). ``peer`` is as for
     :func:`load_rank`: the shards of the new checkpoint from a rank that already reloaded
     it, received fresh and copied in; without one, ``method="peer"`` falls back to the
-    storage method (and is a MethodUnavailableError under ``strict``).
+    storage method (and is a MethodUnavailableError under ``strict``). ``group`` is as
+    for :func:`load_rank`.
     """
     timer = timer if timer is not None else PhaseTimer()
     start_ns = timer.clock()
@@ -174,6 +182,7 @@ def reload_rank(
         written=written if written is not None else set(),
         peer=peer,
         checkpoint=checkpoint,
+        group=group,
     )
     with timer.phase(POST_LOAD, device=resolution.device):
         pass
@@ -229,6 +238,7 @@ def _run(
     peer: PeerSource | None = None,
     adjust_plan: AdjustPlan | None = None,
     checkpoint: Checkpoint | None = None,
+    group: Any = None,
 ) -> tuple[RankPlan, Resolution, BackendResult, StorageUse]:
     """``rank.resolve``, ``rank.plan`` and the backend's phases (into ``into`` when
     given), with the fallback checks; what load_rank and reload_rank share. The
@@ -285,6 +295,7 @@ def _run(
         options=reader_options,
         peer=peer,
         storage=resolution.storage,
+        group=group,
     )
     with timer.tagged(**storage.attributes()):
         result = backend.load(plan, resolution.device, timer, into=into, written=written)

@@ -15,7 +15,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
@@ -66,7 +66,8 @@ class Backend(ABC):
     ``options`` tune rayload's own reader. ``peer`` (the rank of another replica holding
     the shards) and ``storage`` (the storage method to read with when the peer fails,
     :attr:`~rayload.loading.resolve.Resolution.storage`) are for the ``peer`` backend;
-    the others ignore them.
+    the others ignore them. ``group``, the TP group's ``torch.distributed`` process
+    group, lets ``scratch`` fetch split-1 tensors from object storage once per group.
     """
 
     method: ClassVar[LoadMethod]
@@ -79,12 +80,14 @@ class Backend(ABC):
         options: ReaderOptions | None = None,
         peer: PeerSource | None = None,
         storage: LoadMethod | None = None,
+        group: Any = None,
     ) -> None:
         self.probe = probe
         self.checkpoint = checkpoint
         self.options = options or ReaderOptions()
         self.peer = peer
         self.storage = storage
+        self.group = group
 
     def load(
         self,

@@ -1,0 +1,241 @@
+"""Split-1 tensors from object storage, fetched once per TP group.
+
+In a file, a split-1 shard is one short run of bytes per row, with the other ranks'
+columns in between. From a local file the reader reads just those runs. From object
+storage, where each request costs a round trip, it fetches runs of rows with the gaps
+included (:mod:`~rayload.loading.reader.reads`' gather), so at ``tp`` ranks the server
+sends each split-1 tensor ``tp`` times.
+
+With the load's process group (``torch.distributed``: gloo for host tensors, NCCL for
+CUDA ones) the ranks share that work instead. Each split-1 tensor has one owner, chosen
+so that every rank fetches about as many bytes. The owner fetches the whole tensor with
+ranged GETs, and ``torch.distributed.scatter`` gives each rank its columns. The group
+then fetches each byte of those tensors once.
+
+How the ranks keep in step (every rank of the group runs :func:`share_split1` for the
+same plan):
+
+* **Agreeing.** One ``all_gather_object`` of each rank's split-1 shards (their row runs).
+  A tensor is shared when every rank holds it, the same rows of the same file, and the
+  ranks' columns tile each row in equal widths. Anything else is read as before.
+* **Rounds.** The whole tensors a rank owns are fetched in rounds of at most
+  :data:`ROUND_BYTES` per rank, so memory stays bounded. The first round is fetched
+  together with the rank's other shards, in one read.
+* **Failing together.** After each round's read, the ranks exchange whether it
+  succeeded (a second ``all_gather_object``). A rank whose read failed raises its own
+  error; the others raise an error naming that rank and its cause. No rank waits in a
+  scatter for bytes that will not come. A rank that fails before it gets here (not
+  expected: every rank plans the same checkpoint) leaves the others waiting until the
+  group's timeout, the load's deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rayload.errors import StorageError
+from rayload.loading.plan import RowRanges, TensorShard
+from rayload.loading.reader.readplan import Segment
+
+ROUND_BYTES = 256 << 20
+"""The most bytes of whole tensors one rank holds for the group at once."""
+
+
+@dataclass(frozen=True)
+class Shared:
+    """Tensor ``name``: ``rows`` rows of ``row_bytes`` from ``start`` of ``file``, each
+    row cut in ``width``-byte columns. Rank ``r`` holds the columns at ``columns[r]``
+    of every row, in its destination ``target``. ``owner`` fetches it whole."""
+
+    name: str
+    file: str
+    start: int
+    rows: int
+    row_bytes: int
+    width: int
+    columns: tuple[int, ...]
+    owner: int
+    target: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
+@dataclass(frozen=True)
+class GroupShare:
+    """What this rank (``rank`` of the group) does for the shared tensors: ``rounds``
+    of indices into ``shared``, in the order every rank scatters them."""
+
+    rank: int
+    shared: tuple[Shared, ...]
+    rounds: tuple[tuple[int, ...], ...]
+
+    @property
+    def targets(self) -> frozenset[int]:
+        """The destinations the scatters fill (their shards are not read directly)."""
+        return frozenset(s.target for s in self.shared)
+
+    def owned(self, round_: int) -> list[Shared]:
+        """The tensors this rank fetches whole in round ``round_``."""
+        return [self.shared[k] for k in self.rounds[round_] if self.shared[k].owner == self.rank]
+
+    @property
+    def fetched_bytes(self) -> int:
+        """Bytes this rank fetches whole for the group."""
+        return sum(s.nbytes for s in self.shared if s.owner == self.rank)
+
+
+def plan_share(shards: Sequence[TensorShard], group: Any) -> GroupShare | None:
+    """Agree with the rest of ``group`` (every rank calls this, for the same checkpoint)
+    on the split-1 tensors to share; None when there are none, so nothing else is
+    exchanged."""
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    mine = {
+        s.name: (index, s.ranges.file, s.ranges.offset, s.ranges.length, s.ranges.stride, s.ranges.rows)
+        for index, s in enumerate(shards)
+        if s.split == 1
+        and isinstance(s.ranges, RowRanges)
+        and s.ranges.rows > 1
+        and s.ranges.stride > s.ranges.length
+    }
+    every: list[Any] = [None] * size
+    runs = {n: v[1:] for n, v in mine.items()}
+    dist.all_gather_object(every, (runs, sum(s.nbytes for s in shards)), group=group)
+    tilings = {
+        name: tiled
+        for name in mine
+        if (tiled := _tiling([runs.get(name) for runs, _ in every])) is not None
+    }
+    # Owners: the largest tensors first, each to the rank with the fewest bytes to fetch
+    # so far (its whole plan, then the other ranks' columns of what it owns), so that the
+    # ranks finish their reads together.
+    load = [planned for _, planned in every]
+    owners: dict[str, int] = {}
+    for name in sorted(tilings, key=lambda n: (-_whole(tilings[n]), n)):
+        owner = min(range(size), key=lambda r: (load[r], r))
+        owners[name] = owner
+        load[owner] += _whole(tilings[name]) * (size - 1) // size
+    shared = sorted(
+        (
+            Shared(name, file, start, rows, row_bytes, width, columns, owners[name], mine[name][0])
+            for name, (file, start, width, row_bytes, rows, columns) in tilings.items()
+        ),
+        key=lambda s: (s.file, s.start),
+    )
+    if not shared:
+        return None
+    return GroupShare(rank, tuple(shared), _rounds(shared, size))
+
+
+def _tiling(
+    entries: list[tuple[str, int, int, int, int] | None],
+) -> tuple[str, int, int, int, int, tuple[int, ...]] | None:
+    """``(file, start, width, row_bytes, rows, columns)`` when the ranks' runs (``file,
+    offset, length, stride, rows`` each) cut the same rows into equal columns that tile
+    every row; None otherwise."""
+    if any(e is None for e in entries):
+        return None
+    files, offsets, lengths, strides, rows = zip(*entries, strict=True)  # type: ignore[misc]
+    if len(set(files)) != 1 or len(set(lengths)) != 1 or len(set(strides)) != 1:
+        return None
+    if len(set(rows)) != 1:
+        return None
+    width, row_bytes, start = lengths[0], strides[0], min(offsets)
+    columns = tuple(offset - start for offset in offsets)
+    if sorted(columns) != list(range(0, row_bytes, width)) or width * len(entries) != row_bytes:
+        return None
+    return files[0], start, width, row_bytes, rows[0], columns
+
+
+def _whole(tiling: tuple[str, int, int, int, int, tuple[int, ...]]) -> int:
+    _, _, _, row_bytes, rows, _ = tiling
+    return row_bytes * rows
+
+
+def _rounds(shared: Sequence[Shared], size: int) -> tuple[tuple[int, ...], ...]:
+    """Consecutive tensors, a round ending before any rank would own more than
+    :data:`ROUND_BYTES` of them (a larger tensor is a round of its own)."""
+    rounds: list[tuple[int, ...]] = []
+    current: list[int] = []
+    held = [0] * size
+    for k, s in enumerate(shared):
+        if current and held[s.owner] + s.nbytes > ROUND_BYTES:
+            rounds.append(tuple(current))
+            current, held = [], [0] * size
+        current.append(k)
+        held[s.owner] += s.nbytes
+    rounds.append(tuple(current))
+    return tuple(rounds)
+
+
+def whole_segments(owned: Sequence[Shared], first_target: int) -> list[Segment]:
+    """The reads of ``owned`` whole, into destinations ``first_target`` on."""
+    return [
+        Segment(s.file, s.start, s.nbytes, first_target + i, 0, s.name)
+        for i, s in enumerate(owned)
+    ]
+
+
+def checked_round(share: GroupShare, group: Any, read: Callable[[], Any]) -> Any:
+    """``read()``'s value, once every rank of ``group`` says its read of this round
+    succeeded; else this rank's own error, or a StorageError naming the rank that failed
+    and its cause."""
+    import torch.distributed as dist
+
+    failure: BaseException | None = None
+    value: Any = None
+    try:
+        value = read()
+    except Exception as exc:
+        failure = exc
+    said = None if failure is None else (_describe(failure), getattr(failure, "file", None))
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, said, group=group)
+    if failure is not None:
+        raise failure
+    for rank, cause in enumerate(every):
+        if cause is not None:
+            message, file = cause
+            raise StorageError(
+                f"rank {rank} of the TP group could not fetch the split-1 tensors it fetches "
+                f"for the group: {message}",
+                url=file or share.shared[0].file,
+            )
+    return value
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def scatter_round(
+    share: GroupShare,
+    round_: int,
+    group: Any,
+    destinations: Sequence[torch.Tensor],
+    wholes: Sequence[torch.Tensor],
+    touched: set[int] | None,
+) -> None:
+    """Give every rank its columns of round ``round_``'s tensors: ``destinations`` are
+    this rank's shard buffers (1-D bytes), ``wholes`` the whole tensors it fetched in
+    this round, in :meth:`GroupShare.owned` order."""
+    import torch.distributed as dist
+
+    whole = iter(wholes)
+    for k in share.rounds[round_]:
+        s = share.shared[k]
+        if touched is not None:
+            touched.add(s.target)
+        pieces = None
+        if s.owner == share.rank:
+            rows = next(whole).view(s.rows, s.row_bytes)
+            pieces = [rows[:, c : c + s.width].contiguous().view(-1) for c in s.columns]
+        dist.scatter(destinations[s.target], pieces, group=group, group_src=s.owner)
+
