@@ -105,9 +105,7 @@ def _rank_main(
     out.put((rank, start, end, peak, base, nbytes))
 
 
-def _prepare(
-    case: str, url: str, rank: int, replay: list[Range], port: int
-) -> Callable[[], int]:
+def _prepare(case: str, url: str, rank: int, replay: list[Range], port: int) -> Callable[[], int]:
     """Import and set up what ``case`` needs (before the clock starts); the returned
     function loads rank ``rank``'s shards and returns their bytes (``limit``: replays
     ``replay``'s GETs)."""

@@ -30,9 +30,7 @@ def _rank(
 
     from rayload.loading.rank import load_rank
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp
-    )
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
     if rank == changed_rank:  # this rank believes every object has another version
         versions = {k: (size, '"0123456789abcdef"') for k, (size, _) in checkpoint.versions.items()}
         checkpoint = dataclasses.replace(checkpoint, versions=versions)

@@ -80,19 +80,26 @@ def from_s3(vllm_checkpoints: dict[str, Path]) -> FromS3:
     )
 
 
-def test_vllm_workers_read_only_their_ranges_from_s3(from_s3: FromS3) -> None:
+def test_vllm_workers_read_only_their_ranges_from_s3_each_split1_tensor_once(
+    from_s3: FromS3,
+) -> None:
     loads = [w["load"] for w in from_s3.run.workers]
     ranges = sum(load["bytes_read"] for load in loads)
     print(f"measured: {TP} workers' ranges {ranges} B, served {from_s3.served} B (2 loads), "
           f"checkpoint {from_s3.checkpoint_bytes} B")  # fmt: skip
     assert [(load["rank"], load["tp_size"]) for load in loads] == [(0, TP), (1, TP)]
     assert {(load["storage"], load["storage_bucket"]) for load in loads} == {("s3", BUCKET)}
-    assert all(load["shard_bytes"] <= load["bytes_read"] for load in loads)
-    # Two loads (the engine's, then the probe's fresh copy), each the workers' ranges plus
+    # The workers share their split-1 tensors over vLLM's TP group: each is fetched once,
+    # whole, by one worker, which scatters the other's columns. So the workers fetch
+    # exactly their shards' bytes between them (fetching split-1 rows as runs, they fetched
+    # more): the checkpoint's tensors once, plus what both hold whole.
+    assert ranges == sum(load["shard_bytes"] for load in loads)
+    assert all(load["bytes_read"] > 0 for load in loads)
+    assert ranges < TP * from_s3.checkpoint_bytes
+    # Two loads (the engine's, then the probe's fresh copy), each the workers' bytes plus
     # per worker config.json and the header; each worker reading the whole file would be
     # TP times the checkpoint per load.
     assert 2 * ranges <= from_s3.served <= 2 * (ranges + TP * METADATA_BOUND)
-    assert ranges < TP * from_s3.checkpoint_bytes
     assert len(from_s3.run.tokens) == 4
 
 

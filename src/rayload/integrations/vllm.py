@@ -210,6 +210,7 @@ class RayloadModelLoader(BaseModelLoader):
             rules=_vllm_rules(self.options.rules, _architecture(model_config), vocab),
             expert_parallel=expert_parallel,
             adjust_plan=adjust,
+            group=_tp_group(device) if is_remote(path) else None,
         )
         chars_after = read_chars()
         shards = {s.name: s for s in planned[-1].shards}
@@ -276,6 +277,16 @@ def register() -> None:
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not RayloadModelLoader:
         register_model_loader(LOAD_FORMAT)(RayloadModelLoader)
     secure_span_ids()
+
+
+def _tp_group(device: str) -> Any:
+    """vLLM's TP group for ``device``'s tensors (its gloo group for host ones): the workers
+    of an engine reading object storage fetch each split-1 tensor once between them over
+    it (``load_rank``'s ``group``), as rayload's own ranks do over the load's group."""
+    from vllm.distributed import get_tp_group
+
+    tp = get_tp_group()
+    return tp.device_group if torch.device(device).type == "cuda" else tp.cpu_group
 
 
 def _parallel_layout() -> tuple[int, int, bool]:

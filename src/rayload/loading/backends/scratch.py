@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,8 +28,8 @@ from rayload.loading.reader.group import (
 from rayload.loading.reader.readplan import Segment, shard_segments
 from rayload.loading.reader.reads import read_segments, shard_tensors
 from rayload.loading.reader.sinks import Sink
-from rayload.loading.storage import is_remote
 from rayload.loading.report import READ, TO_DEVICE, PhaseTimer
+from rayload.loading.storage import is_remote
 
 
 @register(LoadMethod.SCRATCH)
@@ -117,8 +118,12 @@ class ScratchBackend(ReaderBackend):
                 wholes, more, fetched = checked_round(
                     share,
                     self.group,
-                    lambda owned=owned: read_segments(
-                        whole_segments(owned, 0), [s.nbytes for s in owned], device, self.options
+                    partial(
+                        read_segments,
+                        whole_segments(owned, 0),
+                        [s.nbytes for s in owned],
+                        device,
+                        self.options,
                     ),
                 )
                 more.finish()

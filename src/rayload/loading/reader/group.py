@@ -31,15 +31,17 @@ same plan):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
 from rayload.errors import StorageError
 from rayload.loading.plan import RowRanges, TensorShard
 from rayload.loading.reader.readplan import Segment
+
+_T = TypeVar("_T")
 
 ROUND_BYTES = 256 << 20
 """The most bytes of whole tensors one rank holds for the group at once."""
@@ -90,6 +92,18 @@ class GroupShare:
         return sum(s.nbytes for s in self.shared if s.owner == self.rank)
 
 
+class _Tiling(NamedTuple):
+    """How the ranks' columns cut tensor rows: ``rows`` rows of ``row_bytes`` from
+    ``start`` of ``file``, rank ``r``'s ``width`` bytes at ``columns[r]`` of each."""
+
+    file: str
+    start: int
+    width: int
+    row_bytes: int
+    rows: int
+    columns: tuple[int, ...]
+
+
 def plan_share(shards: Sequence[TensorShard], group: Any) -> GroupShare | None:
     """Agree with the rest of ``group`` (every rank calls this, for the same checkpoint)
     on the split-1 tensors to share; None when there are none, so nothing else is
@@ -98,7 +112,7 @@ def plan_share(shards: Sequence[TensorShard], group: Any) -> GroupShare | None:
 
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     mine = {
-        s.name: (index, s.ranges.file, s.ranges.offset, s.ranges.length, s.ranges.stride, s.ranges.rows)
+        s.name: (index, s.ranges)
         for index, s in enumerate(shards)
         if s.split == 1
         and isinstance(s.ranges, RowRanges)
@@ -106,26 +120,36 @@ def plan_share(shards: Sequence[TensorShard], group: Any) -> GroupShare | None:
         and s.ranges.stride > s.ranges.length
     }
     every: list[Any] = [None] * size
-    runs = {n: v[1:] for n, v in mine.items()}
+    runs = {name: _fields(ranges) for name, (_, ranges) in mine.items()}
     dist.all_gather_object(every, (runs, sum(s.nbytes for s in shards)), group=group)
     tilings = {
-        name: tiled
+        name: tiling
         for name in mine
-        if (tiled := _tiling([runs.get(name) for runs, _ in every])) is not None
+        if (tiling := _tiling([their.get(name) for their, _ in every])) is not None
     }
     # Owners: the largest tensors first, each to the rank with the fewest bytes to fetch
     # so far (its whole plan, then the other ranks' columns of what it owns), so that the
     # ranks finish their reads together.
     load = [planned for _, planned in every]
     owners: dict[str, int] = {}
-    for name in sorted(tilings, key=lambda n: (-_whole(tilings[n]), n)):
+    for name in sorted(tilings, key=lambda n: (-_nbytes(tilings[n]), n)):
         owner = min(range(size), key=lambda r: (load[r], r))
         owners[name] = owner
-        load[owner] += _whole(tilings[name]) * (size - 1) // size
+        load[owner] += _nbytes(tilings[name]) * (size - 1) // size
     shared = sorted(
         (
-            Shared(name, file, start, rows, row_bytes, width, columns, owners[name], mine[name][0])
-            for name, (file, start, width, row_bytes, rows, columns) in tilings.items()
+            Shared(
+                name,
+                t.file,
+                t.start,
+                t.rows,
+                t.row_bytes,
+                t.width,
+                t.columns,
+                owners[name],
+                mine[name][0],
+            )
+            for name, t in tilings.items()
         ),
         key=lambda s: (s.file, s.start),
     )
@@ -134,29 +158,27 @@ def plan_share(shards: Sequence[TensorShard], group: Any) -> GroupShare | None:
     return GroupShare(rank, tuple(shared), _rounds(shared, size))
 
 
-def _tiling(
-    entries: list[tuple[str, int, int, int, int] | None],
-) -> tuple[str, int, int, int, int, tuple[int, ...]] | None:
-    """``(file, start, width, row_bytes, rows, columns)`` when the ranks' runs (``file,
-    offset, length, stride, rows`` each) cut the same rows into equal columns that tile
-    every row; None otherwise."""
+def _fields(ranges: RowRanges) -> tuple[str, int, int, int, int]:
+    return (ranges.file, ranges.offset, ranges.length, ranges.stride, ranges.rows)
+
+
+def _nbytes(tiling: _Tiling) -> int:
+    return tiling.rows * tiling.row_bytes
+
+
+def _tiling(entries: list[tuple[str, int, int, int, int] | None]) -> _Tiling | None:
+    """The tiling of the ranks' runs (``file, offset, length, stride, rows`` each) when
+    they cut the same rows into equal columns that tile every row; None otherwise."""
     if any(e is None for e in entries):
         return None
-    files, offsets, lengths, strides, rows = zip(*entries, strict=True)  # type: ignore[misc]
-    if len(set(files)) != 1 or len(set(lengths)) != 1 or len(set(strides)) != 1:
-        return None
-    if len(set(rows)) != 1:
+    files, offsets, lengths, strides, rows = zip(*entries, strict=True)
+    if any(len(set(field)) != 1 for field in (files, lengths, strides, rows)):
         return None
     width, row_bytes, start = lengths[0], strides[0], min(offsets)
     columns = tuple(offset - start for offset in offsets)
-    if sorted(columns) != list(range(0, row_bytes, width)) or width * len(entries) != row_bytes:
+    if width * len(entries) != row_bytes or sorted(columns) != list(range(0, row_bytes, width)):
         return None
-    return files[0], start, width, row_bytes, rows[0], columns
-
-
-def _whole(tiling: tuple[str, int, int, int, int, tuple[int, ...]]) -> int:
-    _, _, _, row_bytes, rows, _ = tiling
-    return row_bytes * rows
+    return _Tiling(files[0], start, width, row_bytes, rows[0], columns)
 
 
 def _rounds(shared: Sequence[Shared], size: int) -> tuple[tuple[int, ...], ...]:
@@ -178,19 +200,18 @@ def _rounds(shared: Sequence[Shared], size: int) -> tuple[tuple[int, ...], ...]:
 def whole_segments(owned: Sequence[Shared], first_target: int) -> list[Segment]:
     """The reads of ``owned`` whole, into destinations ``first_target`` on."""
     return [
-        Segment(s.file, s.start, s.nbytes, first_target + i, 0, s.name)
-        for i, s in enumerate(owned)
+        Segment(s.file, s.start, s.nbytes, first_target + i, 0, s.name) for i, s in enumerate(owned)
     ]
 
 
-def checked_round(share: GroupShare, group: Any, read: Callable[[], Any]) -> Any:
+def checked_round(share: GroupShare, group: Any, read: Callable[[], _T]) -> _T:
     """``read()``'s value, once every rank of ``group`` says its read of this round
     succeeded; else this rank's own error, or a StorageError naming the rank that failed
     and its cause."""
     import torch.distributed as dist
 
     failure: BaseException | None = None
-    value: Any = None
+    value: _T | None = None
     try:
         value = read()
     except Exception as exc:
@@ -208,6 +229,7 @@ def checked_round(share: GroupShare, group: Any, read: Callable[[], Any]) -> Any
                 f"for the group: {message}",
                 url=file or share.shared[0].file,
             )
+    assert value is not None
     return value
 
 
@@ -238,4 +260,3 @@ def scatter_round(
             rows = next(whole).view(s.rows, s.row_bytes)
             pieces = [rows[:, c : c + s.width].contiguous().view(-1) for c in s.columns]
         dist.scatter(destinations[s.target], pieces, group=group, group_src=s.owner)
-
