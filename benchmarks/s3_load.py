@@ -164,9 +164,9 @@ def _prepare(case: str, url: str, rank: int, replay: list[Range], port: int) -> 
         return download_rank
     from concurrent.futures import ThreadPoolExecutor
 
-    from rayload.loading.storage.s3 import _make_client
+    from rayload.loading.storage.s3_client import make_client
 
-    client = _make_client(3.0, 30.0)[0]  # rayload's client: its pool, time-outs, checksums
+    client = make_client(3.0, 30.0)[0]  # rayload's client: its pool, time-outs, checksums
     ranges = _quarter(replay, rank) if case == "limit" else _limit_1x(checkpoint.files, rank)
 
     def get(item: Range) -> int:

@@ -14,6 +14,9 @@ compared byte for byte; the peers and limits are all of the ``tp`` layout. From 
 (the ranks fetch their ranges) and the limit, there the server's. On a
 mixture-of-experts checkpoint, ``scratch_ep`` (expert parallel) and ``whole_experts``
 (every rank every expert whole) hold other tensors than ``scratch`` (each expert split).
+
+Past 400 lines on purpose: every case's function sits beside its entry in :data:`CASES`,
+the one table the runner, the report and ``rayload bench --methods`` read.
 """
 
 from __future__ import annotations

@@ -31,12 +31,12 @@ Reads:
   before its body is read (nothing buffered).
 
 Never in a message, attribute or pickle: a credential. Only where it came from
-(``env``, ``shared-credentials-file``, ``iam-role``...) is named.
+(``env``, ``shared-credentials-file``, ``iam-role``...) is named. The boto3 side (the
+client, time-outs, body reads, error messages) is :mod:`.s3_client`.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -52,30 +52,21 @@ from rayload.loading.storage.base import (
     StorageKind,
     current_deadline,
 )
+from rayload.loading.storage.s3_client import (
+    RETRYABLE,
+    attempt_timeouts,
+    fill,
+    make_client,
+    slack,
+    translate,
+)
 
 BODY_RETRIES = 5
 """Resumptions of one ranged GET whose body was cut short."""
-_MAX_POOL = 64
-_CONNECT_TIMEOUT_S = 3.0
-_READ_TIMEOUT_S = 30.0
 _API_ATTEMPTS = 6
 """Attempts per request (botocore's own retries are off: these are bounded by the
 load's deadline)."""
 _MAX_BACKOFF_S = 20.0
-_RETRYABLE = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "RequestTimeout",
-        "InternalError",
-        "ServiceUnavailable",
-        "500",
-        "502",
-        "503",
-        "504",
-    }
-)
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -225,7 +216,7 @@ class S3Storage(Storage):
             body = response["Body"]
             try:
                 self._check_range(path, response, start, end)
-                got, problem = _fill(body, pending, read_timeout)
+                got, problem = fill(body, pending, read_timeout)
             except BaseException:
                 body.close()
                 raise
@@ -304,7 +295,7 @@ class S3Storage(Storage):
         with self._lock:
             client = self._clients.get(timeouts)
             if client is None:
-                client, self._endpoint, self._credential_source = _make_client(*timeouts)
+                client, self._endpoint, self._credential_source = make_client(*timeouts)
                 self._clients[timeouts] = client
             return client
 
@@ -325,8 +316,16 @@ class S3Storage(Storage):
                 return fn(**kwargs)
             except bex.ClientError as exc:
                 code = str((exc.response.get("Error") or {}).get("Code", ""))
-                if code not in _RETRYABLE or attempt == _API_ATTEMPTS:
-                    raise self._translate(path, exc.response) from None
+                if code not in RETRYABLE or attempt == _API_ATTEMPTS:
+                    raise translate(
+                        path,
+                        exc.response,
+                        bucket=self.bucket,
+                        key=self._key(path),
+                        endpoint=self._endpoint,
+                        credential_source=self._credential_source,
+                        etag=self._pinned.get(self._key(path), (0, "?"))[1],
+                    ) from None
             except unreachable as exc:
                 if attempt == _API_ATTEMPTS:
                     raise StorageError(
@@ -363,7 +362,7 @@ class S3Storage(Storage):
         if deadline is None:
             return
         connect, read = attempt_timeouts()
-        if deadline[0] - time.monotonic() - after > connect + read + _slack(deadline[1]):
+        if deadline[0] - time.monotonic() - after > connect + read + slack(deadline[1]):
             return
         raise StorageError(
             f"{path}: no answer from the S3 endpoint {self._endpoint} within the load's "
@@ -371,146 +370,3 @@ class S3Storage(Storage):
             "AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 and the network, or raise --timeout",
             url=path,
         )
-
-    def _translate(self, path: str, response: dict[str, Any]) -> StorageError:
-        error = response.get("Error") or {}
-        code = str(error.get("Code", ""))
-        status = int((response.get("ResponseMetadata") or {}).get("HTTPStatusCode", 0))
-        key = self._key(path)
-        where = f"bucket {self.bucket!r}, key {key!r} at {self._endpoint}"
-        if code == "NoSuchBucket":
-            return StorageError(
-                f"{path}: no bucket {self.bucket!r} at {self._endpoint}; check the bucket "
-                "name, AWS_ENDPOINT_URL and AWS_REGION",
-                url=path,
-                missing=True,
-            )
-        if code in ("NoSuchKey", "404", "NotFound") or status == 404:
-            return StorageError(
-                f"{path}: no such object ({where}); check the path, or that the upload finished",
-                url=path,
-                missing=True,
-            )
-        if code in ("PreconditionFailed", "412") or status == 412:
-            etag = self._pinned.get(key, (0, "?"))[1]
-            return StorageError(
-                f"{path}: the object changed after its header was read (its ETag is no longer "
-                f"{etag}; {where}); refusing to mix two versions: load again once the upload "
-                "has finished",
-                url=path,
-            )
-        if status == 403 or code in (
-            "AccessDenied",
-            "InvalidAccessKeyId",
-            "SignatureDoesNotMatch",
-            "ExpiredToken",
-            "InvalidToken",
-        ):
-            return StorageError(
-                f"{path}: access denied ({code or status}; {where}) with credentials from "
-                f"{self._credential_source}; check that they are valid and allow s3:GetObject "
-                "and s3:ListBucket",
-                url=path,
-            )
-        if code == "InvalidRange":
-            return StorageError(
-                f"{path}: a byte range lies past the end of the object ({where}); it is "
-                "shorter than its header says: upload it again",
-                url=path,
-            )
-        return StorageError(
-            f"{path}: {code or 'HTTP ' + str(status)} from {self._endpoint} ({where}): "
-            f"{error.get('Message', '')}",
-            url=path,
-        )
-
-
-def attempt_timeouts() -> tuple[float, float]:
-    """(connect, read) time-outs of one request, in seconds: 3 and 30 without a deadline;
-    under a deadline of T seconds (:func:`~rayload.loading.storage.storage_deadline`) a
-    sixth of T when shorter, so that an attempt started (and a body read resumed) while
-    the deadline leaves room for them both ends before it, however the server stalls."""
-    deadline = current_deadline()
-    if deadline is None:
-        return _CONNECT_TIMEOUT_S, _READ_TIMEOUT_S
-    read = round(min(_READ_TIMEOUT_S, max(0.25, deadline[1] / 6)), 3)
-    return min(_CONNECT_TIMEOUT_S, read), read
-
-
-def _slack(timeout_s: float) -> float:
-    """What a deadline of ``timeout_s`` keeps back after the last request or body read may
-    end: time for a rank's other reads to stop and its error to reach the driver before
-    the driver's own wait ends (a tenth of it, from 1 to 10 s)."""
-    return min(10.0, max(1.0, timeout_s / 10))
-
-
-def _fill(body: Any, pending: list[memoryview], read_timeout: float) -> tuple[int, str]:
-    """Read ``body`` into ``pending`` (consumed in place) until full or the body ends;
-    the bytes read and, when it ended early, why. Under a deadline, no read starts that
-    could block (``read_timeout``) past it: the body is left, and its resumption then
-    fails the deadline check."""
-    import botocore.exceptions as bex
-    import urllib3.exceptions as uex
-
-    deadline = current_deadline()
-    stop_at = None if deadline is None else deadline[0] - read_timeout - _slack(deadline[1])
-    got = 0
-    try:
-        while pending:
-            if stop_at is not None and time.monotonic() > stop_at:
-                return got, "the load's deadline came mid-body"
-            n = body.readinto(pending[0])
-            if n == 0:
-                return got, "the body ended early"
-            got += n
-            if n == len(pending[0]):
-                pending.pop(0)
-            else:
-                pending[0] = pending[0][n:]
-    except (bex.BotoCoreError, uex.HTTPError, OSError) as exc:
-        return got, type(exc).__name__
-    return got, ""
-
-
-def _make_client(connect_timeout: float, read_timeout: float) -> tuple[Any, str, str]:
-    """A boto3 S3 client from the standard AWS chain, its endpoint URL and where its
-    credentials came from (never the credentials)."""
-    try:
-        import boto3
-        import botocore.config
-        from botocore import UNSIGNED
-    except ImportError as exc:
-        raise ConfigError(
-            f"reading s3:// checkpoints needs boto3 ({exc}); pip install 'rayload[s3]'"
-        ) from None
-    session = boto3.session.Session()
-    scoped = session._session.get_scoped_config()
-    credentials = session.get_credentials()
-    if credentials is None:
-        source = "nowhere (no AWS credentials found: unsigned, anonymous requests)"
-    else:
-        source = str(credentials.method)
-        if profile := os.environ.get("AWS_PROFILE"):
-            source += f" (profile {profile!r})"
-    custom_endpoint = (
-        os.environ.get("AWS_ENDPOINT_URL_S3")
-        or os.environ.get("AWS_ENDPOINT_URL")
-        or (scoped.get("s3") or {}).get("endpoint_url")
-        or scoped.get("endpoint_url")
-    )
-    style = (scoped.get("s3") or {}).get("addressing_style") or (
-        "path" if custom_endpoint else "auto"
-    )
-    config = botocore.config.Config(
-        region_name=session.region_name or "us-east-1",
-        max_pool_connections=_MAX_POOL,
-        connect_timeout=connect_timeout,
-        read_timeout=read_timeout,
-        retries={"mode": "standard", "total_max_attempts": 1},  # ours: S3Storage._call
-        s3={"addressing_style": style},
-        tcp_keepalive=True,
-        signature_version=UNSIGNED if credentials is None else None,
-        response_checksum_validation="when_required",
-    )
-    client = session.client("s3", config=config)
-    return client, str(client.meta.endpoint_url), source
