@@ -317,14 +317,15 @@ class S3Storage(Storage):
             except bex.ClientError as exc:
                 code = str((exc.response.get("Error") or {}).get("Code", ""))
                 if code not in RETRYABLE or attempt == _API_ATTEMPTS:
+                    key = self._key(path)
                     raise translate(
                         path,
                         exc.response,
                         bucket=self.bucket,
-                        key=self._key(path),
+                        key=key,
                         endpoint=self._endpoint,
                         credential_source=self._credential_source,
-                        etag=self._pinned.get(self._key(path), (0, "?"))[1],
+                        etag=self._pinned.get(key, (0, "?"))[1],
                     ) from None
             except unreachable as exc:
                 if attempt == _API_ATTEMPTS:
