@@ -327,3 +327,18 @@ def test_loading_reaches_no_ray_through_other_modules() -> None:
         if imp.source in reached and _is_within(imp.target, "ray")
     ]
     assert not bad, "importing rayload.loading imports Ray:\n" + "\n".join(bad)
+
+
+LONG_MODULE_LINES = 400
+"""A module past this many lines says why at the top of its docstring (docs/design.md, Layout)."""
+
+
+def test_every_module_past_400_lines_says_why_at_its_top() -> None:
+    unexplained = []
+    for name, path in discover_modules(SRC, PACKAGE).items():
+        source = path.read_text()
+        lines = source.count("\n")
+        docstring = ast.get_docstring(ast.parse(source)) or ""
+        if lines > LONG_MODULE_LINES and "Past 400 lines on purpose:" not in docstring:
+            unexplained.append(f"{name} ({lines} lines)")
+    assert not unexplained, f"past {LONG_MODULE_LINES} lines without a reason: {unexplained}"

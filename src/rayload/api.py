@@ -20,6 +20,10 @@ raises, dies or hangs ends the load with :class:`RankFailedError` /
 :class:`RankTimeoutError`; the other ranks (of every replica) are stopped, the placement
 groups removed, the replicas dropped from the peer directory, and the trace is still
 written with the failing rank marked ERROR.
+
+Past 400 lines on purpose: each step of a load above is one function below, in the order
+:func:`load` calls them, so the module reads the way a load runs; the work of each step
+lives in ``actors/``, ``loading/`` and ``tracing/``.
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ checked by the load itself.
 Two arguments of a load are code, not configuration, and stay keyword arguments of
 :func:`rayload.load` beside the config: ``model=`` (a factory) and ``progress=`` (a
 callback); so does ``rules=`` when it is a parsed rule set rather than a file path.
+
+Past 400 lines on purpose: the fields, each with its type, default, doc and flag, are the
+one declaration of every option; the file reading and the error messages beside them are
+what turn a bad value anywhere into the same one line.
 """
 
 from __future__ import annotations

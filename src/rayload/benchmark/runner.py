@@ -16,6 +16,10 @@ An ``s3://`` checkpoint is benchmarked where it is: nothing of it is copied to t
 machine, so the cases that read local files (the peers, ``converted``, fastsafetensors)
 are skipped with that reason, the limit is the server's (every byte as raw ranged GETs),
 and the page cache does not apply: its one cache state is :data:`REMOTE`.
+
+Past 400 lines on purpose: preparing, ordering and running the cases is one sequence, read
+top to bottom here; what each case does lives in :mod:`~rayload.benchmark.cases`, the
+medians and targets computed from the samples in ``summary.py`` and ``targets.py``.
 """
 
 from __future__ import annotations

@@ -25,6 +25,10 @@ In each worker :meth:`RayloadModelLoader.load_weights`:
 rayload's options travel in ``model_loader_extra_config`` (:class:`VllmLoadOptions`).
 Each worker's load joins one trace, with vLLM's own start-up spans where vLLM traces
 (:mod:`rayload.integrations.vllm_trace`).
+
+Past 400 lines on purpose: with :mod:`~rayload.integrations.vllm_trace` it is the only
+module that imports vLLM, so everything that touches vLLM's objects (its configs, its
+parallel state, its model and parameters) stays behind this one boundary.
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ Any layout may sit in object storage (``s3://bucket/prefix``, see
 :mod:`~rayload.loading.storage`): the prefix is listed once (each object's size and
 version pinned), then the config, index or manifest and every header are read by ranged
 GETs, concurrently; no tensor byte is fetched.
+
+Past 400 lines on purpose: the three layouts, local or in object storage, are detected,
+read and checked here side by side (they share the header reads and the path checks); the
+requests themselves live in :mod:`~rayload.loading.storage`.
 """
 
 from __future__ import annotations
