@@ -209,20 +209,13 @@ def test_unreachable_address_exits_2_in_seconds_naming_address_and_source(
     assert elapsed < 30, f"took {elapsed:.1f} s"
 
 
-@pytest.mark.parametrize(
-    ("kill_after", "phase"),
-    [
-        # Ray calls that block on the dead head: the head watch ends the command.
-        ("placement group ready", "starting the ranks"),
-        # Waiting on a hung rank: the wait's own probe ends the load.
-        ("rank actor(s) started", "waiting for the ranks to load"),
-    ],
-)
-def test_head_lost_exits_1_in_seconds_naming_phase_with_trace(
-    checkpoint: Path, tmp_path: Path, start_head: Callable[[], Head], kill_after: str, phase: str
+def _head_lost_while(
+    checkpoint: Path, tmp_path: Path, head: Head, kill_after: str, phase: str
 ) -> None:
-    head = start_head()
-    trace_dir = tmp_path / "trace"
+    """Load with rank 1 hung on its read, kill ``head`` once the driver prints
+    ``kill_after``: exit 1 within 20 s naming ``phase``, and the trace written, its root
+    ERROR."""
+    trace_dir = tmp_path / f"trace-{kill_after.replace(' ', '-')}"
     proc = _load(
         checkpoint,
         _clean_env(tmp_path),
@@ -246,9 +239,21 @@ def test_head_lost_exits_1_in_seconds_naming_phase_with_trace(
     assert root and root[0]["status"]["code"] == 2, "the root span has status ERROR"
 
 
-def test_driver_waiting_on_hung_rank_idles_and_killed_leaves_nothing(
+def test_head_lost_while_starting_the_ranks_exits_1_in_seconds_naming_phase_with_trace(
     checkpoint: Path, tmp_path: Path, start_head: Callable[[], Head]
 ) -> None:
+    """Ray calls that block on the dead head: the head watch ends the command."""
+    _head_lost_while(
+        checkpoint, tmp_path, start_head(), "placement group ready", "starting the ranks"
+    )
+
+
+def test_driver_waiting_on_hung_rank_idles_killed_leaves_nothing_then_head_lost_exits_1(
+    checkpoint: Path, tmp_path: Path, start_head: Callable[[], Head]
+) -> None:
+    """On one head (one start fewer): a driver waiting on a hung rank idles, and killed
+    leaves nothing; then a second load's wait on a hung rank ends, by the wait's own head
+    probe, when the head is lost."""
     head = start_head()
     env = _clean_env(tmp_path)
     proc = _load(checkpoint, env, "--address", head.address, "--timeout", "45", hooks=HANG_ON_READ)
@@ -267,3 +272,6 @@ def test_driver_waiting_on_hung_rank_idles_and_killed_leaves_nothing(
     _no_leaks_within(head, env, timeout_s=30)
     gone = time.monotonic() - killed
     print(f"measured: killed driver's actors and group gone {gone:.1f} s later")
+    _head_lost_while(
+        checkpoint, tmp_path, head, "rank actor(s) started", "waiting for the ranks to load"
+    )
