@@ -19,9 +19,10 @@
   tests/tracing/test_demo_trace.py; one run instead of one each (~20 s), in the background.
 * ``background_runs``: the slow self-contained child processes (``BACKGROUND_RUNS``: the
   demo, the four-node cluster, ``ray job submit``, the peer and start-up benchmarks' quick
-  runs) started at the session's start and run one after the other while the suite goes
-  on (tests/support/background.py). A run starts only if a selected test uses the fixture
-  it is named after, and those tests run last.
+  runs, the benchmark harness's runs behind ``bench_result`` and ``moe_result``) started
+  at the session's start and run one after the other while the suite goes on
+  (tests/support/background.py). A run starts only if a selected test uses the fixture it
+  is named after, and those tests run last.
 
 The fast loop (``make test-fast`` = ``pytest --fast``) deselects the tests marked ``slow``,
 ``ray`` (every test under tests/ray_cluster is marked here) and ``browser``, and keeps the
@@ -72,6 +73,12 @@ BACKGROUND_RUNS = {
             *("--out", str(d / "out"), "--workdir", str(d / "work")),
         ],
         keep_env=_KEEP_RAY_TMPDIR,
+    ),
+    "bench_result": Run(
+        lambda d: [sys.executable, str(_TESTS / "benchmark" / "bench_script.py"), str(d), "llama"]
+    ),
+    "moe_result": Run(
+        lambda d: [sys.executable, str(_TESTS / "benchmark" / "bench_script.py"), str(d), "moe"]
     ),
     "startup_result": Run(
         lambda d: [sys.executable, str(_TESTS / "benchmark" / "startup_script.py"), str(d)],

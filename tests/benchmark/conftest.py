@@ -1,21 +1,40 @@
-"""Tiny generated checkpoints and one benchmark run over each, shared by the benchmark tests.
+"""Tiny generated checkpoints, and one benchmark run over each, shared by the benchmark
+tests.
 
-The runs are session-scoped: one harness run costs seconds of forking, so every test that
-only reads its result shares it. ``bench_result``: every case this machine can run on a
-tiny Llama, TP 2, cold and warm, 2 repetitions. ``moe_result``: plain TP, expert parallel
-and every expert whole (and safe_open for the TP layout) on a tiny Mixtral, TP 4, cold
-and warm, 1 repetition.
+``bench_result`` / ``moe_result`` (with their ``bench_config`` / ``moe_config``) are
+background runs (tests/conftest.py) of bench_script.py: a harness run costs about a minute
+of forking rank processes, so it runs in a process of its own beside the rest of the
+suite, and every test that reads its result shares it. ``bench_result``: every case this
+machine can run on a tiny Llama, TP 2, cold and warm, 2 repetitions. ``moe_result``: plain
+TP, expert parallel and every expert whole (and safe_open for the TP layout) on a tiny
+Mixtral, TP 4, cold and warm, 1 repetition.
+
+``bench_checkpoint`` / ``moe_checkpoint``: the same presets written here, for the tests
+that run the CLI or read a layout themselves.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from rayload.benchmark import BenchConfig, run_benchmark
+from rayload.benchmark import BenchConfig
 from rayload.loading.synthetic import write_checkpoint
+from support.background import BackgroundRuns
+
+
+def _finished(background_runs: BackgroundRuns, name: str) -> Path:
+    done = background_runs.result(name)
+    assert done.run.returncode == 0, done.run.stderr[-4000:]
+    return done.workdir
+
+
+def _config(workdir: Path) -> BenchConfig:
+    fields = json.loads((workdir / "config.json").read_text())
+    return BenchConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
 
 
 @pytest.fixture(scope="session")
@@ -24,22 +43,14 @@ def bench_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def bench_config(bench_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> BenchConfig:
-    return BenchConfig(
-        checkpoint=str(bench_checkpoint),
-        workdir=str(tmp_path_factory.mktemp("bench-work")),
-        tp_sizes=(2,),
-        repeat=2,
-        startup=False,  # whole rayload.load calls: tests/benchmark/test_startup.py
-    )
+def bench_result(background_runs: BackgroundRuns) -> dict[str, Any]:
+    workdir = _finished(background_runs, "bench_result")
+    return dict(json.loads((workdir / "result.json").read_text()))
 
 
 @pytest.fixture(scope="session")
-def bench_result(bench_config: BenchConfig) -> dict[str, Any]:
-    return run_benchmark(bench_config, progress=lambda line: None)
-
-
-MOE_METHODS = ("scratch", "scratch_ep", "whole_experts", "safe_open_slice")
+def bench_config(background_runs: BackgroundRuns, bench_result: dict[str, Any]) -> BenchConfig:
+    return _config(_finished(background_runs, "bench_result"))
 
 
 @pytest.fixture(scope="session")
@@ -48,18 +59,11 @@ def moe_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def moe_config(moe_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> BenchConfig:
-    return BenchConfig(
-        checkpoint=str(moe_checkpoint),
-        workdir=str(tmp_path_factory.mktemp("bench-moe-work")),
-        tp_sizes=(4,),
-        repeat=1,
-        methods=MOE_METHODS,
-        startup=False,
-        split_probe=False,
-    )
+def moe_result(background_runs: BackgroundRuns) -> dict[str, Any]:
+    workdir = _finished(background_runs, "moe_result")
+    return dict(json.loads((workdir / "result.json").read_text()))
 
 
 @pytest.fixture(scope="session")
-def moe_result(moe_config: BenchConfig) -> dict[str, Any]:
-    return run_benchmark(moe_config, progress=lambda line: None)
+def moe_config(background_runs: BackgroundRuns, moe_result: dict[str, Any]) -> BenchConfig:
+    return _config(_finished(background_runs, "moe_result"))

@@ -2,15 +2,16 @@
 overlaps the rest of the suite instead of adding to it.
 
 Each run is one child interpreter that needs nothing from the test process (its own Ray
-cluster, its own checkpoint, its own temp directory) and prints what its tests check: the
-four-node cluster of tests/ray_cluster/test_multinode.py, ``ray job submit`` against a
-``ray start`` head of its own, the peer benchmark's quick mode, the start-up benchmark,
-``rayload demo`` from a fresh process. A run is named after the
-fixture that reads it; it starts only when a selected test uses that fixture, and those
-tests move to the end of the session (tests/conftest.py) so the runs have the rest of the
-suite to finish in. pytest itself keeps about one core busy; the runs go one at a time, in
-the order their tests come, on what is left (two at once on 2 cores would slow each other
-and every Ray test beside them).
+cluster, its own checkpoint, its own temp directory) and prints (or writes) what its tests
+check: the four-node cluster of tests/ray_cluster/test_multinode.py, ``ray job submit``
+against a ``ray start`` head of its own, the peer benchmark's quick mode, the start-up
+benchmark, the benchmark harness's runs (tests/benchmark/bench_script.py), ``rayload demo``
+from a fresh process. A run is named after the fixture that reads it; it starts only when
+a selected test uses that fixture, and those tests move to the end of the session
+(tests/conftest.py) so the runs have the rest of the suite to finish in. pytest itself
+keeps about one core busy; the runs go one at a time, in the order their tests come, on
+what is left (two at once on 2 cores would slow each other and every Ray test beside
+them).
 
 The children get the environment the session started with, never a test's monkeypatched
 variables (``RAYLOAD_TEST_HOOKS`` of a fault test running at that moment), minus ``RAY_*``
