@@ -59,15 +59,17 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
             p.copy_(value.to(p.dtype))
 
 
-def write_model(directory: Path, config: Any, seed: int) -> Path:
+def write_model(directory: Path, config: Any, seed: int, max_shard_size: int | None = None) -> Path:
     """``config``'s model with its weights redrawn from ``seed`` (:func:`_redraw`), saved
-    into ``directory`` by transformers' ``save_pretrained``."""
+    into ``directory`` by transformers' ``save_pretrained`` (in files of at most
+    ``max_shard_size`` bytes when given, with their index)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _redraw(model, seed)
     directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, safe_serialization=True)
+    shards = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, safe_serialization=True, **shards)
     return directory
 
 

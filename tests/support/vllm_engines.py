@@ -180,6 +180,7 @@ def worker_probe(worker: Any, compare: bool) -> dict[str, Any]:
             "rank": load.rank,
             "tp_size": load.tp_size,
             "shard_bytes": load.shard_bytes,
+            "batches": load.batches,
             "read_chars": load.read_chars,
             "bytes_read": load.report.bytes_read,
             "method": load.report.method.effective.value,

@@ -8,7 +8,8 @@ gives O(1) logits, so that greedy tokens depend on every weight.
   vocabulary of 200, which vLLM pads to 256 and cuts 128 + 72 at tp 2 (not 100 + 100);
 * ``qwen2``: q/k/v biases, 2 KV heads, untied ``lm_head``, and a vocabulary of 201, which
   no TP size above 1 divides: vLLM pads it to 256 and cuts 128 + 73 at tp 2;
-* ``mixtral``: 4 experts, top 2.
+* ``mixtral``: 4 experts, top 2, in files of at most :data:`MIXTRAL_FILE_BYTES` (an index
+  over several files: rayload's vLLM loader loads it in batches of whole files).
 
 :func:`write_changed` copies one with every tensor changed (for in-place reloads that
 must change an engine's answers).
@@ -23,6 +24,8 @@ from typing import Any
 import torch
 
 from support.transformers_models import write_model
+
+MIXTRAL_FILE_BYTES = 256 << 10
 
 _COMMON: dict[str, Any] = {
     "hidden_size": 128,
@@ -72,7 +75,7 @@ def write_mixtral(directory: Path) -> Path:
         num_local_experts=4,
         num_experts_per_tok=2,
     )
-    return write_model(directory, config, seed=13)
+    return write_model(directory, config, seed=13, max_shard_size=MIXTRAL_FILE_BYTES)
 
 
 FAMILIES: dict[str, Callable[[Path], Path]] = {

@@ -15,6 +15,8 @@ tensor changed, then from the checkpoint itself, and generates after each. Mixtr
   engine computes with);
 * in every worker, every parameter's bytes are equal to what vLLM's default loader
   leaves (compared before vLLM's post-processing: tests/support/vllm_engines.py says why);
+* Mixtral's rayload engines load in batches of whole files (several per worker; the
+  others in one), and every check here holds for them;
 * every worker read its shard, which is exactly the bytes vLLM's partition of the model
   holds on that rank, plus the gaps between split-1 rows less than a page apart (rayload's
   reader reads such rows as one run: the same pages either way), plus the safetensors
@@ -62,6 +64,10 @@ OWN_ENGINE = {
 RELOAD_CASES = [c for c in CASES if c.values[0] not in OWN_ENGINE]
 MOE = {"mixtral": 4}
 """The MoE families and their experts."""
+BATCHED = {"mixtral": 64 << 10}
+"""Families whose rayload engines load in batches of whole files, and their
+``batch_bytes`` (Mixtral's checkpoint is an index over files of at most 256 KiB,
+checkpoints.py; the others are one file, one batch)."""
 
 
 @dataclass(frozen=True)
@@ -89,7 +95,11 @@ def runs(vllm_checkpoints: dict[str, Path], vllm_changed_checkpoints: dict[str, 
         if family in OWN_ENGINE:
             auto = run_engine(path, tp, "auto").answers
             ep = family in MOE and tp > 1
-            return Compared(run_engine(path, tp, "rayload", probe_expert_parallel=ep), auto, None)
+            extra = {"batch_bytes": BATCHED[family]} if family in BATCHED else {}
+            rayload = run_engine(
+                path, tp, "rayload", probe_expert_parallel=ep, model_loader_extra_config=extra
+            )
+            return Compared(rayload, auto, None)
         changed = str(vllm_changed_checkpoints[family])
         rayload = run_engine(path, tp, "rayload", reloads=(Reload("auto", changed), Reload("auto")))
         return Compared(rayload, rayload.reloaded[1], rayload.reloaded[0])
@@ -186,6 +196,11 @@ def test_each_worker_reads_its_shard_and_the_headers(
         assert load["bytes_read"] == load["shard_bytes"] + gaps
         extra = load["read_chars"] - load["bytes_read"] - headers
         assert 0 <= extra <= PROC_IO_READ, f"rank {rank}: rchar {load['read_chars']}"
+        files = len(list(path.glob("*.safetensors")))
+        if family in BATCHED:
+            assert files > 2 and 1 < load["batches"] <= files, (files, load["batches"])
+        else:
+            assert load["batches"] == 1
 
 
 def test_a_tensor_rayload_cannot_plan_is_one_error_naming_it(

@@ -13,8 +13,11 @@ In each worker :meth:`RayloadModelLoader.load_weights`:
 2. plans the checkpoint with rayload's planner (its sharding rules follow vLLM's
    conventions: whole heads, KV heads replicated, fused components), re-planning each
    vocabulary-parallel tensor to the rows vLLM's padded vocabulary gives the rank;
-3. reads only the rank's byte ranges with :func:`rayload.loading.rank.load_rank`;
-4. hands each tensor to vLLM's own ``model.load_weights`` as a
+3. reads only the rank's byte ranges with :func:`rayload.loading.rank.load_rank`, in
+   batches of whole checkpoint files (:mod:`~rayload.integrations.batches`: about
+   ``batch_bytes`` of the shard at a time, so the load holds that much beside the model,
+   not the model twice);
+4. hands each batch's tensors to vLLM's own ``model.load_weights`` as a
    :class:`~rayload.integrations.partial.PartialTensor`: vLLM's weight loaders narrow it
    to the rank's part and copy it into its partitioned parameters (stacked ``qkv_proj`` /
    ``gate_up_proj``, padded vocabulary, tied embeddings, experts) exactly as they do for
@@ -41,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import nn
 from vllm.config import ModelConfig
 from vllm.config.load import LoadConfig
@@ -51,6 +54,7 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from rayload.errors import CheckpointError, ConfigError
+from rayload.integrations.batches import file_batches, merged_report, only_files
 from rayload.integrations.partial import partial_tensor
 from rayload.integrations.vllm_trace import WorkerTrace, secure_span_ids, trace_target
 from rayload.loading.checkpoint import Checkpoint
@@ -59,7 +63,7 @@ from rayload.loading.plan import RankPlan, TensorShard
 from rayload.loading.plan_hf import tensor_shard
 from rayload.loading.probe import read_chars
 from rayload.loading.rank import load_rank
-from rayload.loading.report import RankReport
+from rayload.loading.report import PhaseTimer, RankReport
 from rayload.loading.rules import Rule, RuleSet, resolve_rules
 from rayload.loading.storage import is_remote
 
@@ -92,6 +96,9 @@ class VllmLoadOptions(BaseModel):
     checkpoint directory or ``s3://bucket/prefix`` (default: vLLM's model directory). vLLM
     0.32 takes an ``s3://`` model only with its own streaming formats, so an object-storage
     checkpoint is a local model directory (config.json, the tokenizer) plus ``path``.
+    ``batch_bytes``: about the most bytes of the rank's shard loaded before vLLM copies
+    them into its parameters and they are freed (whole checkpoint files at a time; 0: the
+    whole shard at once): the load holds at most that much beside the model.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -104,6 +111,7 @@ class VllmLoadOptions(BaseModel):
     strict: bool = False
     trace_dir: str | None = None
     path: str | None = None
+    batch_bytes: int = Field(default=1 << 30, ge=0)
 
     @classmethod
     def parse(cls, extra: object) -> VllmLoadOptions:
@@ -129,8 +137,9 @@ class VllmLoadOptions(BaseModel):
 class WorkerLoad:
     """What the last ``load_format="rayload"`` load did in this worker process.
 
-    ``report`` is rayload's :class:`RankReport` (method, bytes, phases); ``shard_bytes``
-    the bytes of the rank's plan; ``read_chars`` what the process read through
+    ``report`` is rayload's :class:`RankReport` (method, bytes, phases: every batch's);
+    ``shard_bytes`` the bytes of the rank's plan; ``batches`` how many loads of whole files
+    it took (:mod:`~rayload.integrations.batches`); ``read_chars`` what the process read through
     ``read()``-family calls during the load (``rchar``; None off Linux): the rank's shard,
     its files' headers and config.json.
     """
@@ -140,6 +149,7 @@ class WorkerLoad:
     expert_parallel: bool
     report: RankReport
     shard_bytes: int
+    batches: int
     read_chars: int | None
     seconds: float
 
@@ -198,50 +208,70 @@ class RayloadModelLoader(BaseModelLoader):
         path = _checkpoint(model_config, self.options.path)
         vocab = _vocab_rows(model)
         device = self.options.device or _param_device(model)
+        rules = _vllm_rules(self.options.rules, _architecture(model_config), vocab)
+        timer = PhaseTimer()  # one for every batch: the last report holds all their phases
+        loads: list[tuple[RankPlan, RankReport]] = []
+        batches: list[frozenset[str]] = []
+        opened: list[Checkpoint] = []  # as the first batch opened it: the later ones read it
         planned: list[RankPlan] = []
 
         def adjust(plan: RankPlan, checkpoint: Checkpoint) -> RankPlan:
-            planned.append(_vllm_vocab(plan, checkpoint, vocab))
+            if not batches:
+                opened.append(checkpoint)
+                batches.extend(file_batches(checkpoint, tp_size, self.options.batch_bytes))
+            planned.append(only_files(_vllm_vocab(plan, checkpoint, vocab), batches[len(loads)]))
             return planned[-1]
 
-        tensors, report = load_rank(
-            path,
-            rank,
-            tp_size,
-            self.options.method,
-            device,
-            strict=self.options.strict,
-            rules=_vllm_rules(self.options.rules, _architecture(model_config), vocab),
-            expert_parallel=expert_parallel,
-            adjust_plan=adjust,
-            group=_tp_group(device) if is_remote(path) else None,
-        )
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            """The batches (:mod:`~rayload.integrations.batches`) one after the other,
+            each read, then handed over and freed as vLLM copies it in."""
+            while not batches or len(loads) < len(batches):
+                tensors, report = load_rank(
+                    path,
+                    rank,
+                    tp_size,
+                    self.options.method,
+                    device,
+                    strict=self.options.strict,
+                    rules=rules,
+                    expert_parallel=expert_parallel,
+                    adjust_plan=adjust,
+                    checkpoint=opened[0] if opened else None,
+                    timer=timer,
+                    group=_tp_group(device) if is_remote(path) else None,
+                )
+                loads.append((planned[-1], report))
+                shards = {s.name: s for s in planned[-1].shards}
+                with trace.phase(MODEL_FILL_PHASE):
+                    yield from _weights(tensors, shards, rank)
+
+        loaded = model.load_weights(weights())  # type: ignore[operator]
         chars_after = read_chars()
-        shards = {s.name: s for s in planned[-1].shards}
-        with trace.phase(MODEL_FILL_PHASE):
-            loaded = model.load_weights(_weights(tensors, shards, rank))  # type: ignore[operator]
         if model_config.quantization is None:
             _check_all_loaded(model, loaded, rank, path)
         seconds = time.perf_counter() - start
+        report = merged_report([r for _, r in loads])
         _last_load = WorkerLoad(
             rank=rank,
             tp_size=tp_size,
             expert_parallel=expert_parallel,
             report=report,
-            shard_bytes=planned[-1].nbytes,
+            shard_bytes=sum(plan.nbytes for plan, _ in loads),
+            batches=len(loads),
             read_chars=None
             if chars_before is None or chars_after is None
             else chars_after - chars_before,
             seconds=seconds,
         )
         _vllm_log.info(
-            "Loading weights took %.2f seconds (rayload, rank %d/%d: %d tensors, %d bytes, "
-            "%s, from %s)",
+            "Loading weights took %.2f seconds (rayload, rank %d/%d: %d tensors, %d bytes "
+            "in %d batch(es), %s, from %s)",
             seconds,
             rank,
             tp_size,
             report.tensors,
             report.bytes_read,
+            len(loads),
             report.method.effective.value,
             report.storage,
         )

@@ -1,0 +1,71 @@
+"""An engine's rank load in batches of whole files, so that its memory stays bounded.
+
+An engine that copies rayload's shards into parameters of its own (vLLM's weight loaders)
+holds both at once for the tensors in flight. Loading the whole shard first would hold the
+model twice over on the load device, a GPU's memory included, where vLLM's own loaders
+hold one file's tensors at a time. So the rank loads its shard in batches of whole
+checkpoint files (:func:`file_batches`): each batch is one
+:func:`~rayload.loading.rank.load_rank` of those files' tensors, handed over and freed
+before the next. Whole files, because a fastsafetensors read takes its files whole; the
+same batches on every rank, because the ranks of a TP group reading object storage agree
+on each load's tensors collectively (:mod:`~rayload.loading.reader.group`).
+:func:`merged_report` is the rank's one report of its batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from rayload.loading.checkpoint import Checkpoint
+from rayload.loading.plan import RankPlan
+from rayload.loading.report import RankReport
+
+
+def file_batches(checkpoint: Checkpoint, tp_size: int, batch_bytes: int) -> list[frozenset[str]]:
+    """The checkpoint's files in order, cut into runs of whole files of which a rank's
+    share (a file's tensor bytes over ``tp_size``) is at most ``batch_bytes`` where the
+    files allow (a larger file is a batch of its own). The same on every rank. One batch
+    of every file when ``batch_bytes`` is 0, and for a converted checkpoint, whose files
+    are each rank's own."""
+    if batch_bytes <= 0 or checkpoint.layout == "converted":
+        return [frozenset(checkpoint.files)]
+    share: dict[str, float] = dict.fromkeys(checkpoint.files, 0.0)
+    for info in checkpoint.tensors.values():
+        share[info.file] += info.nbytes / tp_size
+    batches: list[list[str]] = []
+    total = 0.0
+    for file, nbytes in share.items():
+        if not batches or total + nbytes > batch_bytes:
+            batches.append([])
+            total = 0.0
+        batches[-1].append(file)
+        total += nbytes
+    return [frozenset(b) for b in batches]
+
+
+def only_files(plan: RankPlan, files: frozenset[str]) -> RankPlan:
+    """``plan`` cut to the shards whose bytes lie in ``files`` (possibly none)."""
+    shards = tuple(s for s in plan.shards if set(s.files) <= files)
+    return RankPlan(plan.rank, plan.tp_size, shards)
+
+
+def merged_report(reports: Sequence[RankReport]) -> RankReport:
+    """One report of a rank's batches, in order: their bytes, tensors, files and requests
+    added up, from the first one's start to the last one's end, with every phase (the
+    batches share one timer, so the last report holds them all). The method is the first
+    batch's that fell back, with every batch's reason, else the first batch's."""
+    first, last = reports[0], reports[-1]
+    method = next((r.method for r in reports if r.method.fallback_reason), first.method)
+    reasons = dict.fromkeys(r.method.fallback_reason for r in reports if r.method.fallback_reason)
+    return dataclasses.replace(
+        last,
+        method=dataclasses.replace(method, fallback_reason="; ".join(reasons) or None),
+        bytes_read=sum(r.bytes_read for r in reports),
+        bytes_from_peers=sum(r.bytes_from_peers for r in reports),
+        tensors=sum(r.tensors for r in reports),
+        start_ns=first.start_ns,
+        files=tuple(dict.fromkeys(f for r in reports for f in r.files)),
+        requests=sum(r.requests for r in reports),
+        retries=sum(r.retries for r in reports),
+    )
