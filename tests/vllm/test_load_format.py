@@ -246,8 +246,8 @@ def _tensor_count(path: Path) -> int:
 
 def _header_bytes(path: Path) -> int:
     """What a load reads besides tensor data: each file's 8-byte length and JSON header,
-    and config.json."""
-    total = (path / "config.json").stat().st_size
+    config.json and the index (where there is one), once whatever the batches."""
+    total = sum(f.stat().st_size for f in path.glob("*.json") if f.name != "generation_config.json")
     for file in path.glob("*.safetensors"):
         with open(file, "rb") as f:
             total += 8 + struct.unpack("<Q", f.read(8))[0]
