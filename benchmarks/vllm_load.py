@@ -2,7 +2,7 @@
 worker, interleaved (A B C D, A B C D, ...) in one run, at TP 1 and TP 2 (issue #23).
 
     PYTHONPATH=src .venv-vllm/bin/python benchmarks/vllm_load.py [--size-mb 350]
-        [--tp 1,2] [--rounds 3] [--json FILE]
+        [--file-mb N] [--batch-mb 32] [--tp 1,2] [--rounds 3] [--json FILE]
 
 One engine per TP size is started with ``load_format="dummy"`` (TP 2 through vLLM's mp
 executor, one CPU per worker). Then each round loads the checkpoint once per format in
@@ -16,7 +16,11 @@ Formats: ``rayload`` (rayload's ``auto`` method: ``scratch`` on CPU), vLLM's ``a
 (``safe_open`` maps every file; each rank copies every tensor whole and keeps its part),
 vLLM's ``fastsafetensors``, and ``rayload[fastsafetensors]`` (``load_format="rayload"``
 with ``model_loader_extra_config={"method": "fastsafetensors"}``: the fastsafetensors
-library reading only the rank's tensors, on CPU).
+library reading only the rank's tensors, on CPU), and ``rayload[batches]`` (rayload's
+default method in batches of whole files of at most ``--batch-mb`` of the shard:
+``batch_bytes``; ``rayload`` itself loads in batches of 1 GiB, so a checkpoint under that
+per worker is one batch). ``--file-mb N`` writes the checkpoint in files of at most N MB
+(transformers' ``max_shard_size``; default one file).
 
 Per worker and load, from its ``/proc/self/io`` around the call:
 
@@ -30,7 +34,10 @@ Per worker and load, from its ``/proc/self/io`` around the call:
 * ``Loading weights took``: the figure vLLM logs (``DefaultModelLoader``'s own counters;
   its line is logged once per process, so the bench reads the counters the line is made
   of) and rayload's loader logs (its load record's ``seconds``);
-* ``load_model``: model init + weights + vLLM's post-processing.
+* ``load_model``: model init + weights + vLLM's post-processing;
+* ``peak RSS``: the worker's peak resident memory during the call above its resident
+  memory before it (``VmHWM``, reset through ``/proc/self/clear_refs`` first): the fresh
+  model's parameters plus what the loader holds beside them.
 
 Prints, per TP size, the medians over rounds, each with its median ratio to ``auto`` of
 the same round; ``--json FILE`` keeps every sample.
@@ -48,8 +55,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-FORMATS: dict[str, tuple[str, dict[str, str]]] = {
+FORMATS: dict[str, tuple[str, dict[str, Any]]] = {
     "rayload": ("rayload", {}),
+    "rayload[batches]": ("rayload", {}),  # batch_bytes from --batch-mb (main)
     "auto": ("auto", {}),
     "fastsafetensors": ("fastsafetensors", {}),
     "rayload[fastsafetensors]": ("rayload", {"method": "fastsafetensors"}),
@@ -63,6 +71,8 @@ _ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mb", type=int, default=350)
+    parser.add_argument("--file-mb", type=int, help="files of at most this many MB")
+    parser.add_argument("--batch-mb", type=float, default=32, help="rayload[batches]' budget")
     parser.add_argument("--tp", default="1,2", help="TP sizes, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workdir", default="/tmp/rayload-vllm-bench")
@@ -70,12 +80,15 @@ def main() -> None:
     parser.add_argument("--engine", type=int, help=argparse.SUPPRESS)  # the child: the
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)  # engine of one TP size
     args = parser.parse_args()
+    FORMATS["rayload[batches]"][1]["batch_bytes"] = int(args.batch_mb * (1 << 20))
     if args.engine:
         _child(Path(args.checkpoint), args.engine, args.rounds)
         return
-    checkpoint = _checkpoint(Path(args.workdir) / f"llama-{args.size_mb}mb", args.size_mb)
+    files = f"-{args.file_mb}mb-files" if args.file_mb else ""
+    directory = Path(args.workdir) / f"llama-{args.size_mb}mb{files}"
+    checkpoint = _checkpoint(directory, args.size_mb, args.file_mb)
     load_before = os.getloadavg()
-    runs = [_engine(checkpoint, int(tp), args.rounds) for tp in args.tp.split(",")]
+    runs = [_engine(checkpoint, int(tp), args) for tp in args.tp.split(",")]
     load_after = os.getloadavg()
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=1))
@@ -90,9 +103,9 @@ def main() -> None:
         print(_table(run))
 
 
-def _checkpoint(directory: Path, size_mb: int) -> Path:
-    """A Llama (GQA, untied lm_head, float32) of about ``size_mb``, written by transformers
-    once and reused."""
+def _checkpoint(directory: Path, size_mb: int, file_mb: int | None) -> Path:
+    """A Llama (GQA, untied lm_head, float32) of about ``size_mb`` (in files of at most
+    ``file_mb``), written by transformers once and reused."""
     if (directory / "config.json").is_file():
         return directory
     import torch
@@ -112,7 +125,8 @@ def _checkpoint(directory: Path, size_mb: int) -> Path:
         tie_word_embeddings=False,
     )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(directory, safe_serialization=True)
+    files = {"max_shard_size": f"{file_mb}MB"} if file_mb else {}
+    model.save_pretrained(directory, safe_serialization=True, **files)
     return directory
 
 
@@ -120,9 +134,10 @@ def _files(checkpoint: Path) -> list[Path]:
     return sorted(checkpoint.glob("*.safetensors"))
 
 
-def _engine(checkpoint: Path, tp: int, rounds: int) -> dict[str, Any]:
+def _engine(checkpoint: Path, tp: int, args: argparse.Namespace) -> dict[str, Any]:
     """Every round of one TP size, in a child process of its own (one vLLM engine)."""
-    command = [sys.executable, __file__, "--engine", str(tp), "--rounds", str(rounds)]
+    command = [sys.executable, __file__, "--engine", str(tp), "--rounds", str(args.rounds)]
+    command += ["--batch-mb", str(args.batch_mb)]
     out = subprocess.run(
         [*command, "--checkpoint", str(checkpoint)],
         capture_output=True,
@@ -223,6 +238,8 @@ def _load_once(
     live = dict(context)
     context.clear()
     error = None
+    gc.collect()
+    rss_before = _reset_peak_rss()
     before = _proc_io()
     started = time.perf_counter()
     try:
@@ -236,6 +253,7 @@ def _load_once(
         context.update(live)
     load_model_s = time.perf_counter() - started
     after = _proc_io()
+    peak_rss = _status_kb("VmHWM") * 1024
     gc.collect()
     record = last_load() if load_format == "rayload" else None
     weights_s = (
@@ -251,9 +269,22 @@ def _load_once(
         "read_bytes": after["read_bytes"] - before["read_bytes"],
         "weights_s": None if error else weights_s,
         "load_model_s": None if error else load_model_s,
+        "peak_rss_above": peak_rss - rss_before,
         "shard_bytes": None if record is None else record.shard_bytes,
         "method": None if record is None else record.report.method.effective.value,
     }
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _reset_peak_rss() -> int:
+    """Reset this process's ``VmHWM`` to its current RSS; returns that RSS in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kb("VmRSS") * 1024
 
 
 def _proc_io() -> dict[str, int]:
@@ -269,14 +300,15 @@ def _table(run: dict[str, Any]) -> str:
         f"\ntp {tp} (engine start-up {run['startup_s']:.0f} s with load_format='dummy'); "
         "per worker rank 0 / rank 1 ...; times: the slowest worker",
         "| format | rchar per worker (MB) | read_bytes per worker (MB), all at once | "
-        "read_bytes, each worker alone (MB) | Loading weights took (s) | load_model (s) |",
-        "|---|---|---|---|---|---|",
+        "read_bytes, each worker alone (MB) | Loading weights took (s) | load_model (s) | "
+        "peak RSS above start per worker (MB) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for label in FORMATS:
         mine = [s for s in samples if s["format"] == label]
         errors = {w["error"] for s in mine for w in s["workers"] if w["error"]}
         if errors:
-            lines.append(f"| {label} | fails: {' / '.join(sorted(errors))} | | | | |")
+            lines.append(f"| {label} | fails: {' / '.join(sorted(errors))} | | | | | |")
             continue
         cells = [
             " / ".join(
@@ -294,6 +326,12 @@ def _table(run: dict[str, Any]) -> str:
             base = {r: max(w[key] for w in auto[r]["workers"]) for r in slowest}
             ratio = statistics.median(slowest[r] / base[r] for r in slowest)
             cells.append(f"{statistics.median(slowest.values()):.2f} ({ratio:.2f}x)")
+        cells.append(
+            " / ".join(
+                f"{max(s['workers'][r]['peak_rss_above'] for s in mine) / 1e6:.0f}"
+                for r in range(tp)
+            )
+        )
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     ray = [s for s in samples if s["format"] == "rayload"]
     shards = [w["shard_bytes"] / 1e6 for w in ray[0]["workers"]]
