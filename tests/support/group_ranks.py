@@ -5,8 +5,10 @@ process has started torch's threads. The processes read the AWS environment they
 inherit (tests/conftest.py: the tests' S3 server).
 
 The checkpoint is the test process's, opened once, as a load's driver hands it over.
-Each writes ``rank<r>.pt`` to ``out``: its tensors, bytes read and ``rank.read``
-attributes, or the error it raised (type and message). ``group_bytes`` is what such a
+Each writes ``rank<r>.pt`` to ``out``: its tensors, bytes read and its ``rank.read``
+phases' ``group.*`` counts added up, or the error it raised (type and message). With
+``batched`` each rank loads in batches of one file each, one ``load_rank`` per batch,
+as vLLM's workers do (rayload.integrations.batches). ``group_bytes`` is what such a
 group fetches, from the plan."""
 
 from __future__ import annotations
@@ -24,23 +26,53 @@ from rayload.loading.plan import RankPlan, RowRanges, ShardPlan
 
 
 def _rank(
-    rank: int, tp: int, checkpoint: Checkpoint, port: int, out: str, changed_rank: int | None
+    rank: int,
+    tp: int,
+    checkpoint: Checkpoint,
+    port: int,
+    out: str,
+    changed_rank: int | None,
+    batched: bool,
 ) -> None:
     import torch.distributed as dist
 
+    from rayload.integrations.batches import file_batches, merged_report, only_files
     from rayload.loading.rank import load_rank
+    from rayload.loading.report import PhaseTimer
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
     if rank == changed_rank:  # this rank believes every object has another version
         versions = {k: (size, '"0123456789abcdef"') for k, (size, _) in checkpoint.versions.items()}
         checkpoint = dataclasses.replace(checkpoint, versions=versions)
     result: dict[str, Any]
+    batches = file_batches(checkpoint, tp, 1 if batched else 0)
+    timer, tensors, reports = PhaseTimer(), {}, []
     try:
-        tensors, report = load_rank(
-            checkpoint.root, rank, tp, "auto", checkpoint=checkpoint, group=dist.group.WORLD
-        )
-        read = next(p.attributes for p in report.phases if p.name == "rank.read")
-        result = {"tensors": tensors, "bytes_read": report.bytes_read, "read": read}
+        for files in batches:
+            loaded, report = load_rank(
+                checkpoint.root,
+                rank,
+                tp,
+                "auto",
+                checkpoint=checkpoint,
+                group=dist.group.WORLD,
+                timer=timer,
+                adjust_plan=lambda plan, _, files=files: only_files(plan, files),
+            )
+            tensors |= loaded
+            reports.append(report)
+        report = merged_report(reports)
+        read: dict[str, int] = {}
+        for phase in (p for p in report.phases if p.name == "rank.read"):
+            for key, value in phase.attributes.items():
+                if key.startswith("group.") and isinstance(value, int):
+                    read[key] = read.get(key, 0) + value
+        result = {
+            "tensors": tensors,
+            "bytes_read": report.bytes_read,
+            "read": read,
+            "batches": len(reports),
+        }
     except Exception as exc:
         result = {"error": (type(exc).__name__, str(exc))}
     finally:
@@ -49,15 +81,20 @@ def _rank(
 
 
 def load_group(
-    checkpoint: Checkpoint, tp: int, out: Path, *, changed_rank: int | None = None
+    checkpoint: Checkpoint,
+    tp: int,
+    out: Path,
+    *,
+    changed_rank: int | None = None,
+    batched: bool = False,
 ) -> list[dict[str, Any]]:
     """Each rank's result (see the module), by rank. ``checkpoint`` (opened by the
     caller, once) is handed to every rank, as a load's driver does: the ranks send only
     their data GETs. ``changed_rank`` is handed versions that no object has (its GETs
-    fail, 412)."""
+    fail, 412). ``batched``: in batches of one file each (see the module)."""
     mp.start_processes(
         _rank,
-        args=(tp, checkpoint, free_port(), str(out), changed_rank),
+        args=(tp, checkpoint, free_port(), str(out), changed_rank, batched),
         nprocs=tp,
         start_method="spawn",
     )
