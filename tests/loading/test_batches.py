@@ -15,7 +15,7 @@ from rayload.integrations.batches import file_batches, merged_report, only_files
 from rayload.loading import open_checkpoint
 from rayload.loading.checkpoint import Checkpoint
 from rayload.loading.convert import convert_checkpoint
-from rayload.loading.plan import RankPlan
+from rayload.loading.plan import RankPlan, plan_shards
 from rayload.loading.rank import load_rank
 from rayload.loading.report import PhaseTimer
 from rayload.loading.synthetic import write_checkpoint
@@ -67,15 +67,17 @@ def test_the_batches_one_after_the_other_load_what_one_load_does(
     whole, whole_report = load_rank(five_files, rank, TP, "scratch", "cpu")
     checkpoint = open_checkpoint(five_files)
     batches = file_batches(checkpoint, TP, 1)
+    whole_plan = plan_shards(checkpoint, TP).ranks[rank]  # made once, cut per batch
     timer, tensors, reports = PhaseTimer(), {}, []
     for files in batches:
 
         def adjust(plan: RankPlan, _: Checkpoint, files: frozenset[str] = files) -> RankPlan:
+            assert plan is whole_plan  # not planned again
             return only_files(plan, files)
 
         loaded, report = load_rank(
             five_files, rank, TP, "scratch", "cpu", adjust_plan=adjust, checkpoint=checkpoint,
-            timer=timer,
+            timer=timer, plan=whole_plan,
         )  # fmt: skip
         assert set(loaded).isdisjoint(tensors)
         assert {f for name in loaded for f in [checkpoint.tensors[name].file]} <= files

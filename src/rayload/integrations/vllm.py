@@ -212,14 +212,16 @@ class RayloadModelLoader(BaseModelLoader):
         timer = PhaseTimer()  # one for every batch: the last report holds all their phases
         loads: list[tuple[RankPlan, RankReport]] = []
         batches: list[frozenset[str]] = []
-        opened: list[Checkpoint] = []  # as the first batch opened it: the later ones read it
+        # The checkpoint and the rank's whole plan as the first batch opened and made them:
+        # the later batches read that checkpoint and cut that plan.
+        opened: list[tuple[Checkpoint, RankPlan]] = []
         planned: list[RankPlan] = []
 
         def adjust(plan: RankPlan, checkpoint: Checkpoint) -> RankPlan:
-            if not batches:
-                opened.append(checkpoint)
+            if not opened:
+                opened.append((checkpoint, _vllm_vocab(plan, checkpoint, vocab)))
                 batches.extend(file_batches(checkpoint, tp_size, self.options.batch_bytes))
-            planned.append(only_files(_vllm_vocab(plan, checkpoint, vocab), batches[len(loads)]))
+            planned.append(only_files(opened[0][1], batches[len(loads)]))
             return planned[-1]
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
@@ -236,7 +238,8 @@ class RayloadModelLoader(BaseModelLoader):
                     rules=rules,
                     expert_parallel=expert_parallel,
                     adjust_plan=adjust,
-                    checkpoint=opened[0] if opened else None,
+                    checkpoint=opened[0][0] if opened else None,
+                    plan=opened[0][1] if opened else None,
                     timer=timer,
                     group=_tp_group(device) if is_remote(path) else None,
                 )

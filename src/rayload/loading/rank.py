@@ -69,6 +69,7 @@ def load_rank(
     adjust_plan: AdjustPlan | None = None,
     checkpoint: Checkpoint | None = None,
     group: Any = None,
+    plan: RankPlan | None = None,
 ) -> tuple[dict[str, torch.Tensor], RankReport]:
     """Load rank ``rank`` of ``tp_size`` of the checkpoint at ``path`` onto ``device``.
 
@@ -91,6 +92,9 @@ def load_rank(
     ``tp_size``), every rank of it loading the same checkpoint from object storage alike
     (the same call, at the same time): its ranks then fetch each split-1 tensor once
     between them, the owner scattering the columns (:mod:`~rayload.loading.reader.group`).
+    ``plan`` is the rank's plan of ``checkpoint`` as :func:`plan_shards` made it for these
+    arguments (an engine loading its shard in batches plans once): ``rank.plan`` then
+    only applies ``adjust_plan``.
 
     Returns the tensors (this rank's shards by name) and the :class:`RankReport`, whose
     ``start_ns`` is taken before any config or header is parsed.
@@ -114,6 +118,7 @@ def load_rank(
         adjust_plan=adjust_plan,
         checkpoint=checkpoint,
         group=group,
+        plan=plan,
     )
     tensors = result.tensors
 
@@ -239,6 +244,7 @@ def _run(
     adjust_plan: AdjustPlan | None = None,
     checkpoint: Checkpoint | None = None,
     group: Any = None,
+    plan: RankPlan | None = None,
 ) -> tuple[RankPlan, Resolution, BackendResult, StorageUse]:
     """``rank.resolve``, ``rank.plan`` and the backend's phases (into ``into`` when
     given), with the fallback checks; what load_rank and reload_rank share. The
@@ -282,9 +288,10 @@ def _run(
     log_fallback(rank, resolution.requested, resolution.selected, resolution.fallback_reason)
 
     with timer.phase(PLAN) as attrs:
-        plan = plan_shards(checkpoint, tp_size, rules=rules, expert_parallel=expert_parallel).ranks[
-            rank
-        ]
+        if plan is None:
+            plan = plan_shards(
+                checkpoint, tp_size, rules=rules, expert_parallel=expert_parallel
+            ).ranks[rank]
         if adjust_plan is not None:
             plan = adjust_plan(plan, checkpoint)
         attrs.update({"bytes": plan.nbytes, "tensors": len(plan.shards)})
