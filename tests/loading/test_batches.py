@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from rayload.integrations.batches import file_batches, merged_report, only_files
+from rayload.integrations.batches import file_batches, load_in_batches, merged_report
 from rayload.loading import open_checkpoint
 from rayload.loading.checkpoint import Checkpoint
 from rayload.loading.convert import convert_checkpoint
-from rayload.loading.plan import RankPlan, plan_shards
+from rayload.loading.plan import RankPlan
 from rayload.loading.rank import load_rank
-from rayload.loading.report import PhaseTimer
 from rayload.loading.synthetic import write_checkpoint
 
 TP = 2
@@ -67,22 +66,24 @@ def test_the_batches_one_after_the_other_load_what_one_load_does(
     whole, whole_report = load_rank(five_files, rank, TP, "scratch", "cpu")
     checkpoint = open_checkpoint(five_files)
     batches = file_batches(checkpoint, TP, 1)
-    whole_plan = plan_shards(checkpoint, TP).ranks[rank]  # made once, cut per batch
-    timer, tensors, reports = PhaseTimer(), {}, []
-    for files in batches:
+    adjusted: list[RankPlan] = []
 
-        def adjust(plan: RankPlan, _: Checkpoint, files: frozenset[str] = files) -> RankPlan:
-            assert plan is whole_plan  # not planned again
-            return only_files(plan, files)
+    def adjust(plan: RankPlan, _: Checkpoint) -> RankPlan:
+        adjusted.append(plan)
+        return plan
 
-        loaded, report = load_rank(
-            five_files, rank, TP, "scratch", "cpu", adjust_plan=adjust, checkpoint=checkpoint,
-            timer=timer, plan=whole_plan,
-        )  # fmt: skip
+    tensors: dict[str, torch.Tensor] = {}
+    reports = []
+    loads = load_in_batches(
+        five_files, rank, TP, 1, method="scratch", device="cpu", adjust_plan=adjust
+    )
+    for (loaded, report, plan), files in zip(loads, batches, strict=True):
         assert set(loaded).isdisjoint(tensors)
-        assert {f for name in loaded for f in [checkpoint.tensors[name].file]} <= files
+        assert set(loaded) == {s.name for s in plan.shards}
+        assert {checkpoint.tensors[name].file for name in loaded} <= files
         tensors |= loaded
         reports.append(report)
+    assert len(adjusted) == 1  # planned once, by the first batch; the others cut that plan
     assert tensors.keys() == whole.keys()
     assert all(torch.equal(tensors[n], whole[n]) for n in whole)
     merged = merged_report(reports)
@@ -90,4 +91,7 @@ def test_the_batches_one_after_the_other_load_what_one_load_does(
     assert sorted(merged.files) == sorted(whole_report.files)
     assert merged.start_ns == reports[0].start_ns and merged.end_ns == reports[-1].end_ns
     assert [p.name for p in merged.phases].count("rank.read") == len(batches)
+    assert [
+        p.attributes.get("headers_read") for p in merged.phases if p.name == "rank.resolve"
+    ] == [True] + [False] * (len(batches) - 1)  # the checkpoint opened once
     assert merged.method == whole_report.method

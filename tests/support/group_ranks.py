@@ -36,29 +36,26 @@ def _rank(
 ) -> None:
     import torch.distributed as dist
 
-    from rayload.integrations.batches import file_batches, merged_report, only_files
-    from rayload.loading.rank import load_rank
-    from rayload.loading.report import PhaseTimer
+    from rayload.integrations.batches import load_in_batches, merged_report
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
     if rank == changed_rank:  # this rank believes every object has another version
         versions = {k: (size, '"0123456789abcdef"') for k, (size, _) in checkpoint.versions.items()}
         checkpoint = dataclasses.replace(checkpoint, versions=versions)
     result: dict[str, Any]
-    batches = file_batches(checkpoint, tp, 1 if batched else 0)
-    timer, tensors, reports = PhaseTimer(), {}, []
+    tensors: dict[str, torch.Tensor] = {}
+    reports = []
     try:
-        for files in batches:
-            loaded, report = load_rank(
-                checkpoint.root,
-                rank,
-                tp,
-                "auto",
-                checkpoint=checkpoint,
-                group=dist.group.WORLD,
-                timer=timer,
-                adjust_plan=lambda plan, _, files=files: only_files(plan, files),
-            )
+        batches = load_in_batches(
+            checkpoint.root,
+            rank,
+            tp,
+            1 if batched else 0,
+            method="auto",
+            checkpoint=checkpoint,
+            group=dist.group.WORLD,
+        )
+        for loaded, report, _ in batches:
             tensors |= loaded
             reports.append(report)
         report = merged_report(reports)

@@ -9,17 +9,23 @@ checkpoint files (:func:`file_batches`): each batch is one
 before the next. Whole files, because a fastsafetensors read takes its files whole; the
 same batches on every rank, because the ranks of a TP group reading object storage agree
 on each load's tensors collectively (:mod:`~rayload.loading.reader.group`).
-:func:`merged_report` is the rank's one report of its batches.
+:func:`load_in_batches` runs them; :func:`merged_report` is the rank's one report of
+its batches.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
 
 from rayload.loading.checkpoint import Checkpoint
 from rayload.loading.plan import RankPlan
-from rayload.loading.report import RankReport
+from rayload.loading.rank import AdjustPlan, load_rank
+from rayload.loading.report import PhaseTimer, RankReport
 
 
 def file_batches(checkpoint: Checkpoint, tp_size: int, batch_bytes: int) -> list[frozenset[str]]:
@@ -42,6 +48,53 @@ def file_batches(checkpoint: Checkpoint, tp_size: int, batch_bytes: int) -> list
         batches[-1].append(file)
         total += nbytes
     return [frozenset(b) for b in batches]
+
+
+def load_in_batches(
+    path: str | os.PathLike[str],
+    rank: int,
+    tp_size: int,
+    batch_bytes: int,
+    *,
+    adjust_plan: AdjustPlan | None = None,
+    checkpoint: Checkpoint | None = None,
+    **options: Any,
+) -> Iterator[tuple[dict[str, torch.Tensor], RankReport, RankPlan]]:
+    """Rank ``rank``'s shard in batches (:func:`file_batches`), one
+    :func:`~rayload.loading.rank.load_rank` each (``options`` are its keyword arguments),
+    yielding each batch's tensors, report and plan before the next is read. The first
+    batch opens the checkpoint (unless ``checkpoint`` is given) and plans the rank
+    (``adjust_plan`` applied once); the later ones read that checkpoint and cut that plan.
+    The batches share one timer, so the last report holds every phase."""
+    timer = PhaseTimer()
+    batches: list[frozenset[str]] = []
+    whole: RankPlan | None = None  # the rank's plan, as the first batch made it
+    cut: RankPlan | None = None  # this batch's
+
+    def plan_batch(plan: RankPlan, opened: Checkpoint) -> RankPlan:
+        nonlocal checkpoint, whole, cut
+        if whole is None:
+            checkpoint = opened
+            whole = plan if adjust_plan is None else adjust_plan(plan, opened)
+            batches.extend(file_batches(opened, tp_size, batch_bytes))
+        cut = only_files(whole, batches[index])
+        return cut
+
+    index = 0
+    while index == 0 or index < len(batches):
+        tensors, report = load_rank(
+            path,
+            rank,
+            tp_size,
+            adjust_plan=plan_batch,
+            checkpoint=checkpoint,
+            plan=whole,
+            timer=timer,
+            **options,
+        )
+        assert cut is not None
+        yield tensors, report, cut
+        index += 1
 
 
 def only_files(plan: RankPlan, files: frozenset[str]) -> RankPlan:

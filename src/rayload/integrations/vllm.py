@@ -54,7 +54,7 @@ from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from rayload.errors import CheckpointError, ConfigError
-from rayload.integrations.batches import file_batches, merged_report, only_files
+from rayload.integrations.batches import load_in_batches, merged_report
 from rayload.integrations.partial import partial_tensor
 from rayload.integrations.vllm_trace import WorkerTrace, secure_span_ids, trace_target
 from rayload.loading.checkpoint import Checkpoint
@@ -62,8 +62,7 @@ from rayload.loading.model import MODEL_BUILD_PHASE, MODEL_FILL_PHASE
 from rayload.loading.plan import RankPlan, TensorShard
 from rayload.loading.plan_hf import tensor_shard
 from rayload.loading.probe import read_chars
-from rayload.loading.rank import load_rank
-from rayload.loading.report import PhaseTimer, RankReport
+from rayload.loading.report import RankReport
 from rayload.loading.rules import Rule, RuleSet, resolve_rules
 from rayload.loading.storage import is_remote
 
@@ -209,44 +208,28 @@ class RayloadModelLoader(BaseModelLoader):
         vocab = _vocab_rows(model)
         device = self.options.device or _param_device(model)
         rules = _vllm_rules(self.options.rules, _architecture(model_config), vocab)
-        timer = PhaseTimer()  # one for every batch: the last report holds all their phases
         loads: list[tuple[RankPlan, RankReport]] = []
-        batches: list[frozenset[str]] = []
-        # The checkpoint and the rank's whole plan as the first batch opened and made them:
-        # the later batches read that checkpoint and cut that plan.
-        opened: list[tuple[Checkpoint, RankPlan]] = []
-        planned: list[RankPlan] = []
-
-        def adjust(plan: RankPlan, checkpoint: Checkpoint) -> RankPlan:
-            if not opened:
-                opened.append((checkpoint, _vllm_vocab(plan, checkpoint, vocab)))
-                batches.extend(file_batches(checkpoint, tp_size, self.options.batch_bytes))
-            planned.append(only_files(opened[0][1], batches[len(loads)]))
-            return planned[-1]
 
         def weights() -> Iterator[tuple[str, torch.Tensor]]:
             """The batches (:mod:`~rayload.integrations.batches`) one after the other,
             each read, then handed over and freed as vLLM copies it in."""
-            while not batches or len(loads) < len(batches):
-                tensors, report = load_rank(
-                    path,
-                    rank,
-                    tp_size,
-                    self.options.method,
-                    device,
-                    strict=self.options.strict,
-                    rules=rules,
-                    expert_parallel=expert_parallel,
-                    adjust_plan=adjust,
-                    checkpoint=opened[0][0] if opened else None,
-                    plan=opened[0][1] if opened else None,
-                    timer=timer,
-                    group=_tp_group(device) if is_remote(path) else None,
-                )
-                loads.append((planned[-1], report))
-                shards = {s.name: s for s in planned[-1].shards}
+            batches = load_in_batches(
+                path,
+                rank,
+                tp_size,
+                self.options.batch_bytes,
+                method=self.options.method,
+                device=device,
+                strict=self.options.strict,
+                rules=rules,
+                expert_parallel=expert_parallel,
+                adjust_plan=lambda plan, checkpoint: _vllm_vocab(plan, checkpoint, vocab),
+                group=_tp_group(device) if is_remote(path) else None,
+            )
+            for tensors, report, plan in batches:
+                loads.append((plan, report))
                 with trace.phase(MODEL_FILL_PHASE):
-                    yield from _weights(tensors, shards, rank)
+                    yield from _weights(tensors, {s.name: s for s in plan.shards}, rank)
 
         loaded = model.load_weights(weights())  # type: ignore[operator]
         chars_after = read_chars()
