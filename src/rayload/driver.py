@@ -19,8 +19,7 @@ from rayload.actors.messages import LoadRequest
 from rayload.actors.rank_group import RankActorGroup
 from rayload.errors import CheckpointError, ConfigError
 from rayload.loading.checkpoint import Checkpoint, open_checkpoint
-from rayload.loading.plan import ShardPlan, plan_shards
-from rayload.loading.rank import same_plan_problem
+from rayload.loading.plan import ShardPlan, plan_shards, same_plan_problem
 from rayload.loading.report import RankReport
 from rayload.loading.storage import is_remote
 from rayload.placement import RankPlacement, create_placement_group

@@ -12,8 +12,9 @@ from rayload.loading import convert_checkpoint, load_rank, plan_shards, write_ch
 from rayload.loading.backends import BACKENDS
 from rayload.loading.checkpoint import open_checkpoint
 from rayload.loading.methods import LoadMethod
+from rayload.loading.plan import same_plan_problem
 from rayload.loading.probe import probe_environment
-from rayload.loading.rank import reload_rank, same_plan_problem
+from rayload.loading.rank import reload_rank
 from rayload.loading.report import PhaseTimer
 
 

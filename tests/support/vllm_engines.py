@@ -186,6 +186,9 @@ def worker_probe(worker: Any, compare: bool) -> dict[str, Any]:
             "method": load.report.method.effective.value,
             "storage": load.report.storage,
             "storage_bucket": load.report.storage_bucket,
+            "direct_bytes": load.direct_bytes,
+            "loader_bytes": load.loader_bytes,
+            "unused_bytes": load.unused_bytes,
         },
     }
     if compare:

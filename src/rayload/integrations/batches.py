@@ -58,24 +58,33 @@ def load_in_batches(
     *,
     adjust_plan: AdjustPlan | None = None,
     checkpoint: Checkpoint | None = None,
+    plan: RankPlan | None = None,
+    timer: PhaseTimer | None = None,
     **options: Any,
 ) -> Iterator[tuple[dict[str, torch.Tensor], RankReport, RankPlan]]:
     """Rank ``rank``'s shard in batches (:func:`file_batches`), one
     :func:`~rayload.loading.rank.load_rank` each (``options`` are its keyword arguments),
     yielding each batch's tensors, report and plan before the next is read. The first
     batch opens the checkpoint (unless ``checkpoint`` is given) and plans the rank
-    (``adjust_plan`` applied once); the later ones read that checkpoint and cut that plan.
-    The batches share one timer, so the last report holds every phase."""
-    timer = PhaseTimer()
+    (``adjust_plan`` applied once), unless ``plan`` gives the rank's plan (or the part of
+    it to load) of ``checkpoint``; the later ones read that checkpoint and cut that plan.
+    The batches share one timer (``timer``, or a new one), so the last report holds every
+    phase. Every batch is loaded, an empty one too: every rank of a TP group loads the
+    same batches."""
+    timer = timer if timer is not None else PhaseTimer()
     batches: list[frozenset[str]] = []
-    whole: RankPlan | None = None  # the rank's plan, as the first batch made it
+    whole: RankPlan | None = plan  # the rank's plan, as given or as the first batch made it
     cut: RankPlan | None = None  # this batch's
+    if plan is not None:
+        if checkpoint is None:
+            raise ValueError("load_in_batches: a plan= needs the checkpoint= it plans")
+        batches.extend(file_batches(checkpoint, tp_size, batch_bytes))
 
-    def plan_batch(plan: RankPlan, opened: Checkpoint) -> RankPlan:
+    def plan_batch(planned: RankPlan, opened: Checkpoint) -> RankPlan:
         nonlocal checkpoint, whole, cut
         if whole is None:
             checkpoint = opened
-            whole = plan if adjust_plan is None else adjust_plan(plan, opened)
+            whole = planned if adjust_plan is None else adjust_plan(planned, opened)
             batches.extend(file_batches(opened, tp_size, batch_bytes))
         cut = only_files(whole, batches[index])
         return cut

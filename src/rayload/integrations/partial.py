@@ -28,7 +28,7 @@ Run = tuple[int, torch.Tensor]
 """``(start, data)``: the rank's bytes of split-dimension indices ``start ..
 start + data.shape[split] - 1``."""
 
-_METADATA: frozenset[Callable[..., Any]] = frozenset(
+METADATA: frozenset[Callable[..., Any]] = frozenset(
     {
         torch.Tensor.shape.__get__,  # type: ignore[attr-defined]
         torch.Tensor.ndim.__get__,  # type: ignore[attr-defined]
@@ -92,7 +92,7 @@ class PartialTensor(torch.Tensor):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func in _METADATA:
+        if func in METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         partial = next(a for a in args if isinstance(a, PartialTensor))

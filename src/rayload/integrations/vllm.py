@@ -13,16 +13,24 @@ In each worker :meth:`RayloadModelLoader.load_weights`:
 2. plans the checkpoint with rayload's planner (its sharding rules follow vLLM's
    conventions: whole heads, KV heads replicated, fused components), re-planning each
    vocabulary-parallel tensor to the rows vLLM's padded vocabulary gives the rank;
-3. reads only the rank's byte ranges with :func:`rayload.loading.rank.load_rank`, in
-   batches of whole checkpoint files (:mod:`~rayload.integrations.batches`: about
-   ``batch_bytes`` of the shard at a time, so the load holds that much beside the model,
-   not the model twice);
-4. hands each batch's tensors to vLLM's own ``model.load_weights`` as a
-   :class:`~rayload.integrations.partial.PartialTensor`: vLLM's weight loaders narrow it
-   to the rank's part and copy it into its partitioned parameters (stacked ``qkv_proj`` /
-   ``gate_up_proj``, padded vocabulary, tied embeddings, experts) exactly as they do for
-   the default loader, and any byte they want that rayload did not read is a
-   :class:`~rayload.errors.ShardingError` naming the tensor. There is no fallback to
+3. finds where each tensor of the rank's shard lands in vLLM's parameters by running
+   vLLM's own ``model.load_weights`` on data-less stand-ins (a dry run,
+   :mod:`~rayload.integrations.dryrun`): vLLM's weight loaders lay the tensors out as
+   they always do (stacked ``qkv_proj`` / ``gate_up_proj``, GQA-replicated KV heads,
+   padded vocabulary, tied embeddings, experts), and each ``copy_`` they would make is
+   recorded instead: the region of the parameter it fills;
+4. reads every tensor whose region is a plain one (one contiguous run of the parameter,
+   the checkpoint's dtype, the load's device) straight into it with
+   :func:`rayload.loading.rank.load_rank` (``into=``): one copy, from storage into the
+   memory vLLM serves from;
+5. hands the others (a dtype conversion, a loader that computes, a quantized model, a
+   region that is not plain: :data:`~rayload.integrations.dryrun.REASONS`) to vLLM's
+   weight loaders as :class:`~rayload.integrations.partial.PartialTensor` s, in batches
+   of whole checkpoint files (:mod:`~rayload.integrations.batches`: about
+   ``batch_bytes`` of the shard at a time beside the model), as the default loader does;
+   ``strict`` refuses them, naming the tensor, the parameter and the reason. Any byte a
+   loader wants that rayload did not plan is a :class:`~rayload.errors.ShardingError`
+   naming the tensor, in the dry run, before anything is read. There is no fallback to
    vLLM's default loader.
 
 rayload's options travel in ``model_loader_extra_config`` (:class:`VllmLoadOptions`).
@@ -36,11 +44,12 @@ parallel state, its model and parameters) stays behind this one boundary.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -55,6 +64,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from rayload.errors import CheckpointError, ConfigError
 from rayload.integrations.batches import load_in_batches, merged_report
+from rayload.integrations.dryrun import REASONS, Destinations, find_destinations, through_loaders
 from rayload.integrations.partial import partial_tensor
 from rayload.integrations.vllm_trace import WorkerTrace, secure_span_ids, trace_target
 from rayload.loading.checkpoint import Checkpoint
@@ -62,7 +72,8 @@ from rayload.loading.model import MODEL_BUILD_PHASE, MODEL_FILL_PHASE
 from rayload.loading.plan import RankPlan, TensorShard
 from rayload.loading.plan_hf import tensor_shard
 from rayload.loading.probe import read_chars
-from rayload.loading.report import RankReport
+from rayload.loading.rank import load_rank, plan_rank
+from rayload.loading.report import PhaseTimer, RankReport
 from rayload.loading.rules import Rule, RuleSet, resolve_rules
 from rayload.loading.storage import is_remote
 
@@ -82,13 +93,25 @@ _vllm_log = init_logger("vllm.model_executor.model_loader.rayload")
 LOAD_FORMAT = "rayload"
 """vLLM's name of this load format (``load_format="rayload"``)."""
 
+DESTINATIONS_PHASE = "rank.destinations"
+"""The dry run of vLLM's weight loaders that finds where each tensor lands
+(:mod:`~rayload.integrations.dryrun`): a phase of the worker's ``rank.load``."""
+
+_OWN_MEMORY = frozenset({"fastsafetensors", "fastsafetensors_gdr", "dummy"})
+"""Methods that load into buffers of their own: their tensors go through vLLM's weight
+loaders (reading them into parameters would be the same copy, after a whole batch in
+memory)."""
+
 
 class VllmLoadOptions(BaseModel):
     """rayload's options in vLLM's ``model_loader_extra_config`` (unknown keys refused).
 
-    ``method``: rayload's load method (``auto`` picks fastsafetensors or scratch for the
-    machine; ``strict`` makes any fallback an error). ``device``: where rayload puts the
-    shards before vLLM copies them into its parameters (default: vLLM's load device).
+    ``method``: rayload's load method (``auto`` reads straight into vLLM's parameters
+    with rayload's reader; ``fastsafetensors`` and ``dummy`` load into buffers of their
+    own, which vLLM's weight loaders copy from). ``strict`` makes any fallback an error:
+    of the method, or of a tensor to vLLM's weight loaders. ``device``: where rayload
+    loads (default: vLLM's load device, where the parameters are; another one sends
+    every tensor through the weight loaders).
     ``rules``: a sharding rules file for an architecture rayload has no preset for.
     ``trace_dir``: where the workers' spans are merged into rayload's trace files (they
     also go to vLLM's OTLP endpoint when it has one). ``path``: where the weights are, a
@@ -136,11 +159,15 @@ class VllmLoadOptions(BaseModel):
 class WorkerLoad:
     """What the last ``load_format="rayload"`` load did in this worker process.
 
-    ``report`` is rayload's :class:`RankReport` (method, bytes, phases: every batch's);
-    ``shard_bytes`` the bytes of the rank's plan; ``batches`` how many loads of whole files
-    it took (:mod:`~rayload.integrations.batches`); ``read_chars`` what the process read through
-    ``read()``-family calls during the load (``rchar``; None off Linux): the rank's shard,
-    its files' headers and config.json.
+    ``report`` is rayload's :class:`RankReport` (method, bytes, phases: every load's);
+    ``shard_bytes`` the bytes of the rank's plan that vLLM takes (``direct_bytes`` of them
+    read straight into its parameters, ``loader_bytes`` through its weight loaders, by
+    reason: :data:`~rayload.integrations.dryrun.REASONS`); ``unused_bytes`` those of
+    tensors no weight loader took, not read; ``batches`` how many loads of whole files
+    the tensors through the weight loaders took (:mod:`~rayload.integrations.batches`; 0
+    when none did); ``read_chars`` what the process read through ``read()``-family calls
+    during the load (``rchar``; None off Linux): the rank's shard, its files' headers and
+    config.json.
     """
 
     rank: int
@@ -151,6 +178,9 @@ class WorkerLoad:
     batches: int
     read_chars: int | None
     seconds: float
+    direct_bytes: int = 0
+    loader_bytes: dict[str, int] = field(default_factory=dict)
+    unused_bytes: int = 0
 
 
 _last_load: WorkerLoad | None = None
@@ -203,64 +233,106 @@ class RayloadModelLoader(BaseModelLoader):
     ) -> None:
         global _last_load
         start = time.perf_counter()
+        start_ns = time.time_ns()
         chars_before = read_chars()
-        path = _checkpoint(model_config, self.options.path)
+        options = self.options
+        path = _checkpoint(model_config, options.path)
         vocab = _vocab_rows(model)
-        device = self.options.device or _param_device(model)
-        rules = _vllm_rules(self.options.rules, _architecture(model_config), vocab)
-        loads: list[tuple[RankPlan, RankReport]] = []
-
-        def weights() -> Iterator[tuple[str, torch.Tensor]]:
-            """The batches (:mod:`~rayload.integrations.batches`) one after the other,
-            each read, then handed over and freed as vLLM copies it in."""
-            batches = load_in_batches(
-                path,
-                rank,
-                tp_size,
-                self.options.batch_bytes,
-                method=self.options.method,
-                device=device,
-                strict=self.options.strict,
-                rules=rules,
-                expert_parallel=expert_parallel,
-                adjust_plan=lambda plan, checkpoint: _vllm_vocab(plan, checkpoint, vocab),
-                group=_tp_group(device) if is_remote(path) else None,
+        device = options.device or _param_device(model)
+        timer = PhaseTimer()
+        checkpoint, plan = plan_rank(
+            path,
+            rank,
+            tp_size,
+            rules=_vllm_rules(options.rules, _architecture(model_config), vocab),
+            expert_parallel=expert_parallel,
+            adjust_plan=lambda plan, checkpoint: _vllm_vocab(plan, checkpoint, vocab),
+            timer=timer,
+        )
+        with timer.phase(DESTINATIONS_PHASE) as attrs:
+            routes = _destinations(model, model_config, plan, torch.device(device), options)
+            attrs.update(_route_attributes(routes, plan))
+        if options.strict:
+            routes.refuse_fallbacks(rank)
+        check = model_config.quantization is None
+        if check and routes.loaded is not None:
+            _check_all_loaded(model, routes.loaded, rank, path)
+        direct, through_loaders = routes.split(plan)
+        group = _tp_group(device) if is_remote(path) else None
+        common: dict[str, Any] = {
+            "method": options.method,
+            "device": device,
+            "strict": options.strict,
+            "checkpoint": checkpoint,
+            "timer": timer,
+            "group": group,
+        }
+        _, report = load_rank(
+            path, rank, tp_size, plan=direct, into=_direct_into(routes, direct), **common
+        )
+        reports = [report]
+        if through_loaders.shards or group is not None:
+            loaded = model.load_weights(  # type: ignore[operator]
+                self._through_loaders(path, rank, tp_size, through_loaders, common, trace, reports)
             )
-            for tensors, report, plan in batches:
-                loads.append((plan, report))
-                with trace.phase(MODEL_FILL_PHASE):
-                    yield from _weights(tensors, {s.name: s for s in plan.shards}, rank)
-
-        loaded = model.load_weights(weights())  # type: ignore[operator]
+            if check and routes.loaded is None:
+                _check_all_loaded(model, loaded, rank, path)
         chars_after = read_chars()
-        if model_config.quantization is None:
-            _check_all_loaded(model, loaded, rank, path)
         seconds = time.perf_counter() - start
-        report = merged_report([r for _, r in loads])
+        report = dataclasses.replace(merged_report(reports), start_ns=start_ns)
+        loader_bytes = routes.loader_bytes(plan)
         _last_load = WorkerLoad(
             rank=rank,
             tp_size=tp_size,
             expert_parallel=expert_parallel,
             report=report,
-            shard_bytes=sum(plan.nbytes for plan, _ in loads),
-            batches=len(loads),
+            shard_bytes=direct.nbytes + through_loaders.nbytes,
+            batches=len(reports) - 1,
             read_chars=None
             if chars_before is None or chars_after is None
             else chars_after - chars_before,
             seconds=seconds,
+            direct_bytes=direct.nbytes,
+            loader_bytes=loader_bytes,
+            unused_bytes=plan.nbytes - direct.nbytes - through_loaders.nbytes,
         )
         _vllm_log.info(
-            "Loading weights took %.2f seconds (rayload, rank %d/%d: %d tensors, %d bytes "
-            "in %d batch(es), %s, from %s)",
+            "Loading weights took %.2f seconds (rayload, rank %d/%d: %d tensors, %d bytes; "
+            "%d straight into vLLM's parameters, %d through its weight loaders%s; in %d "
+            "batch(es) through them, %s, from %s)",
             seconds,
             rank,
             tp_size,
             report.tensors,
             report.bytes_read,
-            len(loads),
+            direct.nbytes,
+            through_loaders.nbytes,
+            "".join(f"; {REASONS[r]}: {n}" for r, n in loader_bytes.items()),
+            len(reports) - 1,
             report.method.effective.value,
             report.storage,
         )
+
+    def _through_loaders(
+        self,
+        path: str,
+        rank: int,
+        tp_size: int,
+        plan: RankPlan,
+        common: dict[str, Any],
+        trace: WorkerTrace,
+        reports: list[RankReport],
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The shards of ``plan`` for vLLM's ``load_weights``, in batches
+        (:mod:`~rayload.integrations.batches`) one after the other, each read, then handed
+        over and freed as vLLM copies it in; each batch's report goes to ``reports``."""
+        batches = load_in_batches(
+            path, rank, tp_size, self.options.batch_bytes, plan=plan, **common
+        )
+        for tensors, report, cut in batches:
+            reports.append(report)
+            with trace.phase(MODEL_FILL_PHASE):
+                yield from _weights(tensors, {s.name: s for s in cut.shards}, rank)
 
 
 def reload_in_place(worker: Any, load_format: str = LOAD_FORMAT, path: str | None = None) -> int:
@@ -417,6 +489,63 @@ def _weights(
             name,
             partial_tensor(name, shard.full_shape, shard.split, shard.pieces, data, rank=rank),
         )
+
+
+def _destinations(
+    model: nn.Module,
+    model_config: ModelConfig,
+    plan: RankPlan,
+    device: torch.device,
+    options: VllmLoadOptions,
+) -> Destinations:
+    """Where each shard of ``plan`` goes: the dry run of vLLM's weight loaders, or every
+    shard through them when the model is quantized (vLLM's loaders and its online
+    quantization repack as they load) or the method loads into memory of its own."""
+    if model_config.quantization is not None:
+        why = f"the model is quantized ({model_config.quantization}); vLLM's loaders repack it"
+        return through_loaders(plan, "quantized", why)
+    if options.method in _OWN_MEMORY:
+        why = f"method {options.method} loads into buffers of its own"
+        return through_loaders(plan, "method", why)
+    names: dict[int, str] = {}
+    for kind in (model.named_parameters(), model.named_buffers()):
+        for name, tensor in kind:
+            if tensor.numel():
+                names.setdefault(tensor.untyped_storage().data_ptr(), name)
+
+    def parameter_of(dest: torch.Tensor) -> tuple[str, str | None]:
+        return names.get(dest.untyped_storage().data_ptr(), "an unnamed tensor"), None
+
+    return find_destinations(
+        model.load_weights,  # type: ignore[arg-type]
+        plan,
+        device=device,
+        parameter_of=parameter_of,
+    )
+
+
+def _direct_into(routes: Destinations, direct: RankPlan) -> dict[str, torch.Tensor]:
+    return {shard.name: routes.direct[shard.name] for shard in direct.shards}
+
+
+def _route_attributes(routes: Destinations, plan: RankPlan) -> dict[str, Any]:
+    """``rank.destinations``' attributes: tensors and bytes straight into the parameters,
+    through the weight loaders (by reason) and unused."""
+    direct, loaders = routes.split(plan)
+    attrs: dict[str, Any] = {
+        "destinations.dry_run": routes.loaded is not None,
+        "destinations.direct_tensors": len(direct.shards),
+        "destinations.direct_bytes": direct.nbytes,
+        "destinations.loader_tensors": len(loaders.shards),
+        "destinations.loader_bytes": loaders.nbytes,
+        "destinations.unused_tensors": len(routes.unused),
+    }
+    for reason, nbytes in routes.loader_bytes(plan).items():
+        attrs[f"destinations.loader_bytes.{reason}"] = nbytes
+    if routes.through_loaders:
+        first = next(iter(routes.through_loaders.values()))
+        attrs["destinations.first_fallback"] = first.describe()
+    return attrs
 
 
 def _check_all_loaded(model: nn.Module, loaded: Any, rank: int, path: str) -> None:

@@ -264,6 +264,36 @@ def plan_shards(
     )
 
 
+def same_plan_problem(loaded: ShardPlan, new: ShardPlan) -> tuple[str, str] | None:
+    """Why ``new`` cannot be read into the tensors ``loaded`` made, as ``(tensor,
+    message)``, or None when every rank has the same tensors, in the same order, with the
+    same shapes and dtypes. The message names the first tensor that differs."""
+    if loaded.tp_size != new.tp_size:
+        return (
+            "",
+            f"the checkpoint is planned for tp_size {new.tp_size}, the load has {loaded.tp_size}",
+        )
+    for old_rank, new_rank in zip(loaded.ranks, new.ranks, strict=True):
+        old_shards = {s.name: s for s in old_rank.shards}
+        new_shards = {s.name: s for s in new_rank.shards}
+        for name, shard in new_shards.items():
+            old = old_shards.get(name)
+            if old is None:
+                return (
+                    name,
+                    f"rank {new_rank.rank}: tensor {name!r} is new (the load has no such tensor)",
+                )
+            if (old.shape, old.dtype) != (shard.shape, shard.dtype):
+                return name, (
+                    f"rank {new_rank.rank}: tensor {name!r} is {shard.dtype} "
+                    f"{list(shard.shape)}, the loaded one is {old.dtype} {list(old.shape)}"
+                )
+        for name in old_shards:
+            if name not in new_shards:
+                return name, f"rank {new_rank.rank}: tensor {name!r} is missing"
+    return None
+
+
 def in_file_order(files: tuple[str, ...], tensors: Iterable[TensorInfo]) -> list[TensorInfo]:
     """``tensors`` in the order their bytes lie in ``files``: the order a plan lists them."""
     order = {f: i for i, f in enumerate(files)}

@@ -24,7 +24,7 @@ from rayload.loading.checkpoint import Checkpoint, open_checkpoint
 from rayload.loading.manifest import verify_file_checksum
 from rayload.loading.methods import LoadMethod, MethodReport
 from rayload.loading.peer import PeerSource
-from rayload.loading.plan import RankPlan, ShardPlan, plan_shards
+from rayload.loading.plan import RankPlan, plan_shards
 from rayload.loading.probe import EnvProbe, probe_environment
 from rayload.loading.reader import ReaderOptions
 from rayload.loading.report import PLAN, POST_LOAD, RESOLVE, PhaseTimer, RankReport
@@ -70,6 +70,7 @@ def load_rank(
     checkpoint: Checkpoint | None = None,
     group: Any = None,
     plan: RankPlan | None = None,
+    into: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], RankReport]:
     """Load rank ``rank`` of ``tp_size`` of the checkpoint at ``path`` onto ``device``.
 
@@ -95,6 +96,11 @@ def load_rank(
     ``plan`` is the rank's plan of ``checkpoint`` as :func:`plan_shards` made it for these
     arguments (an engine loading its shard in batches plans once): ``rank.plan`` then
     only applies ``adjust_plan``.
+    ``into`` gives every shard of the plan its memory (name -> a tensor of the shard's
+    shape on ``device``: a region of an engine's parameter, say): the shards are loaded
+    into it, and the returned tensors are those. ``scratch`` and ``converted`` read
+    straight into it when it is contiguous and of the shard's dtype (``auto`` picks one
+    of them for it); other methods load fresh tensors and copy them in.
 
     Returns the tensors (this rank's shards by name) and the :class:`RankReport`, whose
     ``start_ns`` is taken before any config or header is parsed.
@@ -119,6 +125,7 @@ def load_rank(
         checkpoint=checkpoint,
         group=group,
         plan=plan,
+        into=into,
     )
     tensors = result.tensors
 
@@ -194,34 +201,51 @@ def reload_rank(
     return _report(plan, resolution, result, start_ns, timer, model_role, used)
 
 
-def same_plan_problem(loaded: ShardPlan, new: ShardPlan) -> tuple[str, str] | None:
-    """Why ``new`` cannot be read into the tensors ``loaded`` made, as ``(tensor,
-    message)``, or None when every rank has the same tensors, in the same order, with the
-    same shapes and dtypes. The message names the first tensor that differs."""
-    if loaded.tp_size != new.tp_size:
-        return (
-            "",
-            f"the checkpoint is planned for tp_size {new.tp_size}, the load has {loaded.tp_size}",
-        )
-    for old_rank, new_rank in zip(loaded.ranks, new.ranks, strict=True):
-        old_shards = {s.name: s for s in old_rank.shards}
-        new_shards = {s.name: s for s in new_rank.shards}
-        for name, shard in new_shards.items():
-            old = old_shards.get(name)
-            if old is None:
-                return (
-                    name,
-                    f"rank {new_rank.rank}: tensor {name!r} is new (the load has no such tensor)",
-                )
-            if (old.shape, old.dtype) != (shard.shape, shard.dtype):
-                return name, (
-                    f"rank {new_rank.rank}: tensor {name!r} is {shard.dtype} "
-                    f"{list(shard.shape)}, the loaded one is {old.dtype} {list(old.shape)}"
-                )
-        for name in old_shards:
-            if name not in new_shards:
-                return name, f"rank {new_rank.rank}: tensor {name!r} is missing"
-    return None
+def plan_rank(
+    path: str | os.PathLike[str],
+    rank: int,
+    tp_size: int,
+    *,
+    rules: RulesArg = None,
+    expert_parallel: bool = False,
+    adjust_plan: AdjustPlan | None = None,
+    timer: PhaseTimer | None = None,
+) -> tuple[Checkpoint, RankPlan]:
+    """Open the checkpoint at ``path`` (``rank.resolve``: its headers) and plan rank
+    ``rank`` of ``tp_size`` (``rank.plan``, ``adjust_plan`` applied), reading no tensor:
+    what an engine that decides where each shard goes before any byte is read needs
+    first. Load with ``load_rank(..., checkpoint=checkpoint, plan=plan)`` (or a cut of
+    the plan) afterwards."""
+    check_tp_size(tp_size)
+    check_rank(rank, tp_size)
+    timer = timer if timer is not None else PhaseTimer()
+    with timer.phase(RESOLVE, tp_size=tp_size, headers_read=True):
+        checkpoint = open_checkpoint(path)
+    plan = _plan(checkpoint, rank, tp_size, timer, rules, expert_parallel, adjust_plan, None)
+    return checkpoint, plan
+
+
+def _plan(
+    checkpoint: Checkpoint,
+    rank: int,
+    tp_size: int,
+    timer: PhaseTimer,
+    rules: RulesArg,
+    expert_parallel: bool,
+    adjust_plan: AdjustPlan | None,
+    plan: RankPlan | None,
+) -> RankPlan:
+    """``rank.plan``: the rank's plan (``plan`` when given: an earlier one) with
+    ``adjust_plan`` applied."""
+    with timer.phase(PLAN) as attrs:
+        if plan is None:
+            plan = plan_shards(
+                checkpoint, tp_size, rules=rules, expert_parallel=expert_parallel
+            ).ranks[rank]
+        if adjust_plan is not None:
+            plan = adjust_plan(plan, checkpoint)
+        attrs.update({"bytes": plan.nbytes, "tensors": len(plan.shards)})
+    return plan
 
 
 def _run(
@@ -272,6 +296,7 @@ def _run(
             device=device,
             strict=strict,
             peer_available=peer is not None,
+            into=into is not None,
         )
         attrs.update(
             {
@@ -287,14 +312,7 @@ def _run(
             attrs["checksums_verified"] = _verify_rank_files(checkpoint, rank)
     log_fallback(rank, resolution.requested, resolution.selected, resolution.fallback_reason)
 
-    with timer.phase(PLAN) as attrs:
-        if plan is None:
-            plan = plan_shards(
-                checkpoint, tp_size, rules=rules, expert_parallel=expert_parallel
-            ).ranks[rank]
-        if adjust_plan is not None:
-            plan = adjust_plan(plan, checkpoint)
-        attrs.update({"bytes": plan.nbytes, "tensors": len(plan.shards)})
+    plan = _plan(checkpoint, rank, tp_size, timer, rules, expert_parallel, adjust_plan, plan)
 
     backend = BACKENDS[resolution.selected](
         env,

@@ -113,6 +113,7 @@ def resolve_method(
     device: str | torch.device,
     strict: bool,
     peer_available: bool = False,
+    into: bool = False,
 ) -> Resolution:
     """Decide the method and device for a rank loading ``tp_size`` shards.
 
@@ -120,6 +121,8 @@ def resolve_method(
     checkpoint identity and plan): ``auto`` and ``peer`` then select ``peer``, with the
     storage method ``auto`` would otherwise choose as ``storage``; ``peer`` without one
     falls back to that storage method. Other requested methods ignore peers.
+    ``into`` says the shards go into memory the caller gives (an engine's parameters,
+    resident tensors): ``auto`` then picks a method that reads straight into it.
 
     Raises ConfigError for an unknown method or an unusable device, CheckpointError for a
     converted checkpoint written for another tp size, and MethodUnavailableError when
@@ -129,7 +132,7 @@ def resolve_method(
     resolved_device = resolve_device(device, probe)
     check_converted_tp(layout_info.root, layout_info.converted_tp_size, tp_size)
     if method in (LoadMethod.AUTO, LoadMethod.PEER):
-        storage, reason = _choose_auto(probe, layout_info, resolved_device, tp_size)
+        storage, reason = _choose_auto(probe, layout_info, resolved_device, tp_size, into)
         if peer_available:
             why = (
                 "a rank of another replica holds this rank's shards (same checkpoint "
@@ -190,7 +193,7 @@ def _fell_back(
 
 
 def _choose_auto(
-    probe: EnvProbe, layout_info: LayoutInfo, device: str, tp_size: int
+    probe: EnvProbe, layout_info: LayoutInfo, device: str, tp_size: int, into: bool = False
 ) -> tuple[LoadMethod, str]:
     if layout_info.layout == "converted":
         return LoadMethod.CONVERTED, f"checkpoint was converted for tp_size={tp_size}"
@@ -200,6 +203,11 @@ def _choose_auto(
         )
     if device == "cpu":
         return LoadMethod.SCRATCH, "device is cpu: rayload's shard-exact reader"
+    if into:
+        return LoadMethod.SCRATCH, (
+            "loading into given device memory: rayload's reader writes straight into it "
+            "through a pinned bounce window (fastsafetensors reads into buffers of its own)"
+        )
     if probe.gds_available and probe.fastsafetensors_installed:
         return (
             LoadMethod.FASTSAFETENSORS_GDR,
