@@ -1,26 +1,30 @@
-"""Inside vLLM: ``load_format="rayload"`` vs vLLM's ``auto`` vs ``fastsafetensors``, per
-worker, interleaved (A B C D, A B C D, ...) in one run, at TP 1 and TP 2 (issue #23).
+"""Inside vLLM: ``load_format="rayload"`` vs vLLM's ``auto`` (and ``fastsafetensors``), per
+worker, interleaved in one run, at TP 1 and TP 2 (issues #23, #30).
 
     PYTHONPATH=src .venv-vllm/bin/python benchmarks/vllm_load.py [--size-mb 350]
-        [--file-mb N] [--batch-mb 32] [--tp 1,2] [--rounds 3] [--json FILE]
+        [--file-mb N] [--tp 1,2] [--rounds 5] [--cache warm|cold]
+        [--formats rayload,rayload[staged],auto] [--batch-mb 32] [--json FILE]
 
 One engine per TP size is started with ``load_format="dummy"`` (TP 2 through vLLM's mp
-executor, one CPU per worker). Then each round loads the checkpoint once per format in
-every worker at once (``collective_rpc``): vLLM's own ``load_model`` of that format's
-loader, building a fresh copy of the worker's model and filling it, exactly as the
-engine does at start-up (the engine's live model stays as it is). Before each load the
-checkpoint's pages are dropped from the page cache, file by file
-(``posix_fadvise(POSIX_FADV_DONTNEED)``), so every load reads from the disk.
+executor, one CPU per worker). Each format is first loaded once, untimed (a warm-up:
+the first large allocation of a process is slow, whichever loader makes it). Then each
+round loads the checkpoint once per format in every worker at once (``collective_rpc``),
+a different format leading each round (A B C, B C A, C A B, ...): vLLM's own
+``load_model`` of that format's loader, building a fresh copy of the worker's model and
+filling it, exactly as the engine does at start-up (the engine's live model stays as it
+is). Before each load the checkpoint's files are read through (``--cache warm``, the
+default: every load reads from the page cache) or their pages are dropped
+(``--cache cold``: ``posix_fadvise(POSIX_FADV_DONTNEED)``: every load reads the disk).
 
-Formats: ``rayload`` (rayload's ``auto`` method: ``scratch`` on CPU), vLLM's ``auto``
-(``safe_open`` maps every file; each rank copies every tensor whole and keeps its part),
-vLLM's ``fastsafetensors``, and ``rayload[fastsafetensors]`` (``load_format="rayload"``
-with ``model_loader_extra_config={"method": "fastsafetensors"}``: the fastsafetensors
-library reading only the rank's tensors, on CPU), and ``rayload[batches]`` (rayload's
-default method in batches of whole files of at most ``--batch-mb`` of the shard:
-``batch_bytes``; ``rayload`` itself loads in batches of 1 GiB, so a checkpoint under that
-per worker is one batch). ``--file-mb N`` writes the checkpoint in files of at most N MB
-(transformers' ``max_shard_size``; default one file).
+Formats (``--formats``): ``rayload`` (the defaults: every tensor whose region of a vLLM
+parameter is a plain one is read straight into it), ``rayload[staged]``
+(``model_loader_extra_config={"direct": False}``: every tensor read into a buffer, then
+copied by vLLM's weight loaders, in batches of 1 GiB of the shard: the loader before
+#30), ``rayload[batches]`` (staged, in batches of at most ``--batch-mb`` of the shard),
+vLLM's ``auto`` (``safe_open`` maps every file; each rank copies its part of every
+tensor out of the mapping), vLLM's ``fastsafetensors``, and ``rayload[fastsafetensors]``
+(rayload's ``fastsafetensors`` method, on CPU). ``--file-mb N`` writes the checkpoint in
+files of at most N MB (transformers' ``max_shard_size``; default one file).
 
 Per worker and load, from its ``/proc/self/io`` around the call:
 
@@ -35,12 +39,17 @@ Per worker and load, from its ``/proc/self/io`` around the call:
   its line is logged once per process, so the bench reads the counters the line is made
   of) and rayload's loader logs (its load record's ``seconds``);
 * ``load_model``: model init + weights + vLLM's post-processing;
-* ``peak RSS``: the worker's peak resident memory during the call above its resident
-  memory before it (``VmHWM``, reset through ``/proc/self/clear_refs`` first): the fresh
-  model's parameters plus what the loader holds beside them.
+* ``peak RSS``: the worker's peak resident memory above its resident memory before the
+  call (``VmHWM``, reset through ``/proc/self/clear_refs`` after ``malloc_trim``, so that
+  no page an earlier load left to the allocator hides a new one), to the end of the
+  weights (the fresh model's parameters plus what the loader holds beside them, and for
+  ``auto`` the mapped file pages it touched) and to the end of ``load_model`` (vLLM's
+  post-processing on CPU packs every linear weight into a new buffer while the old one
+  is still there);
+* rayload's phases (its load record's report), for where its time goes.
 
-Prints, per TP size, the medians over rounds, each with its median ratio to ``auto`` of
-the same round; ``--json FILE`` keeps every sample.
+Prints, per TP size, the medians over rounds, each with the median of its per-round
+ratios to ``auto`` and every round's ratio; ``--json FILE`` keeps every sample.
 """
 
 from __future__ import annotations
@@ -57,12 +66,16 @@ from typing import Any
 
 FORMATS: dict[str, tuple[str, dict[str, Any]]] = {
     "rayload": ("rayload", {}),
-    "rayload[batches]": ("rayload", {}),  # batch_bytes from --batch-mb (main)
+    "rayload[staged]": ("rayload", {"direct": False}),
+    "rayload[no-prefault]": ("rayload", {}),  # rayload.loading.reader.pages.enabled False
+    "rayload[batches]": ("rayload", {"direct": False}),  # batch_bytes from --batch-mb (main)
     "auto": ("auto", {}),
     "fastsafetensors": ("fastsafetensors", {}),
     "rayload[fastsafetensors]": ("rayload", {"method": "fastsafetensors"}),
 }
-"""Label -> (vLLM ``load_format``, ``model_loader_extra_config``), in the order of a round."""
+"""Label -> (vLLM ``load_format``, ``model_loader_extra_config``), in the order of a round
+(``--formats`` picks some)."""
+DEFAULT_FORMATS = "rayload,rayload[staged],auto"
 RESULT = "VLLM-BENCH-RESULT "
 _ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 """1 GiB of KV cache; ``collective_rpc`` may send the load (a function) to the workers."""
@@ -75,14 +88,23 @@ def main() -> None:
     parser.add_argument("--batch-mb", type=float, default=32, help="rayload[batches]' budget")
     parser.add_argument("--tp", default="1,2", help="TP sizes, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--formats", default=DEFAULT_FORMATS, help="comma-separated labels")
+    parser.add_argument(
+        "--cache",
+        choices=("warm", "cold"),
+        default="warm",
+        help="the checkpoint's pages in the page cache before each load, or dropped",
+    )
     parser.add_argument("--workdir", default="/tmp/rayload-vllm-bench")
     parser.add_argument("--json", help="write every sample here")
     parser.add_argument("--engine", type=int, help=argparse.SUPPRESS)  # the child: the
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)  # engine of one TP size
     args = parser.parse_args()
     FORMATS["rayload[batches]"][1]["batch_bytes"] = int(args.batch_mb * (1 << 20))
+    for label in [f for f in FORMATS if f not in args.formats.split(",")]:
+        del FORMATS[label]
     if args.engine:
-        _child(Path(args.checkpoint), args.engine, args.rounds)
+        _child(Path(args.checkpoint), args.engine, args.rounds, args.cache)
         return
     files = f"-{args.file_mb}mb-files" if args.file_mb else ""
     directory = Path(args.workdir) / f"llama-{args.size_mb}mb{files}"
@@ -96,7 +118,8 @@ def main() -> None:
     print(
         f"checkpoint {checkpoint}: {len(files)} file(s), "
         f"{sum(f.stat().st_size for f in files) / 1e6:.1f} MB; {args.rounds} rounds, "
-        f"interleaved; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
+        f"interleaved, {args.cache} page cache; load average {load_before[0]:.1f} before, "
+        f"{load_after[0]:.1f} after "
         f"({len(os.sched_getaffinity(0))} CPUs)"
     )
     for run in runs:
@@ -137,7 +160,8 @@ def _files(checkpoint: Path) -> list[Path]:
 def _engine(checkpoint: Path, tp: int, args: argparse.Namespace) -> dict[str, Any]:
     """Every round of one TP size, in a child process of its own (one vLLM engine)."""
     command = [sys.executable, __file__, "--engine", str(tp), "--rounds", str(args.rounds)]
-    command += ["--batch-mb", str(args.batch_mb)]
+    command += ["--batch-mb", str(args.batch_mb), "--formats", args.formats]
+    command += ["--cache", args.cache]
     out = subprocess.run(
         [*command, "--checkpoint", str(checkpoint)],
         capture_output=True,
@@ -160,7 +184,7 @@ def _bind(tp: int) -> str:
     return "|".join(str(cpus[r % len(cpus)]) for r in range(tp))
 
 
-def _child(checkpoint: Path, tp: int, rounds: int) -> None:
+def _child(checkpoint: Path, tp: int, rounds: int, cache: str) -> None:
     from vllm import LLM
 
     started = time.perf_counter()
@@ -176,30 +200,53 @@ def _child(checkpoint: Path, tp: int, rounds: int) -> None:
         max_num_seqs=1,
     )
     startup_s = time.perf_counter() - started
+    warmup = {label: _load(llm, checkpoint, label, cache=cache) for label in FORMATS}
     samples = []
+    labels = list(FORMATS)
     for round_ in range(rounds):
-        for label in FORMATS:
-            workers = _load(llm, checkpoint, label)
+        shift = round_ % len(labels)  # each format leads a round in turn
+        for label in labels[shift:] + labels[:shift]:
+            workers = _load(llm, checkpoint, label, cache=cache)
             samples.append({"round": round_, "format": label, "workers": workers})
             print(f"tp {tp} round {round_} {label}: {workers}", file=sys.stderr, flush=True)
     alone = {}
-    if tp > 1:  # each worker by itself: what it makes the disk read with no one sharing
+    if tp > 1 and cache == "cold":  # each worker alone: what it makes the disk read
         alone = {
-            label: [_load(llm, checkpoint, label, r)[r] for r in range(tp)] for label in FORMATS
+            label: [_load(llm, checkpoint, label, r, cache="cold")[r] for r in range(tp)]
+            for label in FORMATS
         }
-    result = {"tp": tp, "startup_s": startup_s, "samples": samples, "alone": alone}
+    result = {
+        "tp": tp,
+        "cache": cache,
+        "startup_s": startup_s,
+        "samples": samples,
+        "alone": alone,
+        "warmup": warmup,
+    }
     print(RESULT + json.dumps(result), flush=True)
     llm.llm_engine.engine_core.shutdown()
 
 
-def _load(llm: Any, checkpoint: Path, label: str, only_rank: int | None = None) -> list[Any]:
+def _load(
+    llm: Any, checkpoint: Path, label: str, only_rank: int | None = None, *, cache: str
+) -> list[Any]:
     """One load of format ``label`` in every worker (or ``only_rank``) at once, from a
-    cold page cache."""
+    warm page cache (every file read through first) or a cold one (``cache``)."""
     for path in _files(checkpoint):
-        _drop_cached(path)
+        if cache == "cold":
+            _drop_cached(path)
+        else:
+            _read_through(path)
     load_format, extra = FORMATS[label]
-    workers: list[Any] = llm.collective_rpc(_load_once, args=(load_format, extra, only_rank))
+    workers: list[Any] = llm.collective_rpc(_load_once, args=(load_format, extra, only_rank, label))
     return workers
+
+
+def _read_through(path: Path) -> None:
+    """Read ``path`` whole, so that its pages are in the page cache."""
+    with open(path, "rb", buffering=0) as f:
+        while f.read(64 << 20):
+            pass
 
 
 def _drop_cached(path: Path) -> None:
@@ -211,7 +258,11 @@ def _drop_cached(path: Path) -> None:
 
 
 def _load_once(
-    worker: Any, load_format: str, extra: dict[str, str], only_rank: int | None = None
+    worker: Any,
+    load_format: str,
+    extra: dict[str, str],
+    only_rank: int | None = None,
+    label: str = "",
 ) -> dict[str, Any]:
     """Runs in each worker (``only_rank``: in that one, the others return at once):
     vLLM's ``load_model`` of ``load_format`` into a fresh copy of the worker's model
@@ -234,12 +285,17 @@ def _load_once(
         config.load_config, load_format=load_format, model_loader_extra_config=dict(extra)
     )
     loader = get_model_loader(load_config)
+    from rayload.loading.reader import pages
+
+    pages.enabled = label != "rayload[no-prefault]"
     context = config.compilation_config.static_forward_context
     live = dict(context)
     context.clear()
     error = None
     gc.collect()
+    _trim_heap()
     rss_before = _reset_peak_rss()
+    weights_peak = _peak_after(loader)
     before = _proc_io()
     started = time.perf_counter()
     try:
@@ -270,7 +326,13 @@ def _load_once(
         "weights_s": None if error else weights_s,
         "load_model_s": None if error else load_model_s,
         "peak_rss_above": peak_rss - rss_before,
+        "weights_peak_rss_above": weights_peak[0] - rss_before if weights_peak else None,
+        "param_bytes": weights_peak[1] if weights_peak else None,
         "shard_bytes": None if record is None else record.shard_bytes,
+        "direct_bytes": None if record is None else record.direct_bytes,
+        "phases": None
+        if record is None
+        else [(p.name, (p.end_ns - p.start_ns) / 1e6) for p in record.report.phases],
         "method": None if record is None else record.report.method.effective.value,
     }
 
@@ -278,6 +340,33 @@ def _load_once(
 def _status_kb(field: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _trim_heap() -> None:
+    """Give the memory the allocator keeps after frees back to the system
+    (``malloc_trim``), so that a load's new allocations show in its peak RSS instead of
+    reusing pages an earlier load left resident."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _peak_after(loader: Any) -> list[int]:
+    """Wrap ``loader.load_weights``: once it has run, the returned list holds the peak
+    RSS so far (``VmHWM``, bytes: the model's parameters and what the loader held beside
+    them, before vLLM's post-processing) and the bytes of the model's parameters."""
+    seen: list[int] = []
+    load_weights = loader.load_weights
+
+    def wrapped(model: Any, model_config: Any) -> None:
+        load_weights(model, model_config)
+        seen[:] = [
+            _status_kb("VmHWM") * 1024,
+            sum(p.numel() * p.element_size() for p in model.parameters()),
+        ]
+
+    loader.load_weights = wrapped
+    return seen
 
 
 def _reset_peak_rss() -> int:
@@ -301,14 +390,15 @@ def _table(run: dict[str, Any]) -> str:
         "per worker rank 0 / rank 1 ...; times: the slowest worker",
         "| format | rchar per worker (MB) | read_bytes per worker (MB), all at once | "
         "read_bytes, each worker alone (MB) | Loading weights took (s) | load_model (s) | "
-        "peak RSS above start per worker (MB) |",
-        "|---|---|---|---|---|---|---|",
+        "peak RSS above start per worker, to the end of the weights (MB) | the same, "
+        "to the end of load_model (MB) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label in FORMATS:
         mine = [s for s in samples if s["format"] == label]
         errors = {w["error"] for s in mine for w in s["workers"] if w["error"]}
         if errors:
-            lines.append(f"| {label} | fails: {' / '.join(sorted(errors))} | | | | | |")
+            lines.append(f"| {label} | fails: {' / '.join(sorted(errors))} | | | | | | |")
             continue
         cells = [
             " / ".join(
@@ -324,21 +414,31 @@ def _table(run: dict[str, Any]) -> str:
         for key in ("weights_s", "load_model_s"):
             slowest = {s["round"]: max(w[key] for w in s["workers"]) for s in mine}
             base = {r: max(w[key] for w in auto[r]["workers"]) for r in slowest}
-            ratio = statistics.median(slowest[r] / base[r] for r in slowest)
-            cells.append(f"{statistics.median(slowest.values()):.2f} ({ratio:.2f}x)")
-        cells.append(
-            " / ".join(
-                f"{max(s['workers'][r]['peak_rss_above'] for s in mine) / 1e6:.0f}"
-                for r in range(tp)
+            ratios = [slowest[r] / base[r] for r in sorted(slowest)]
+            every = ", ".join(f"{x:.2f}" for x in ratios)
+            cells.append(
+                f"{statistics.median(slowest.values()):.3f} ({statistics.median(ratios):.2f}x; "
+                f"rounds {every})"
             )
-        )
+        for key in ("weights_peak_rss_above", "peak_rss_above"):
+            cells.append(
+                " / ".join(
+                    f"{statistics.median(s['workers'][r][key] for s in mine) / 1e6:.0f}"
+                    for r in range(tp)
+                )
+            )
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     ray = [s for s in samples if s["format"] == "rayload"]
-    shards = [w["shard_bytes"] / 1e6 for w in ray[0]["workers"]]
-    lines.append(
-        f"rayload's shard per worker: {' / '.join(f'{x:.1f}' for x in shards)} MB "
-        f"(method {ray[0]['workers'][0]['method']})"
-    )
+    if ray:
+        workers = ray[0]["workers"]
+        shards = " / ".join(f"{w['shard_bytes'] / 1e6:.1f}" for w in workers)
+        direct = " / ".join(f"{w['direct_bytes'] / 1e6:.1f}" for w in workers)
+        params = " / ".join(f"{w['param_bytes'] / 1e6:.1f}" for w in workers)
+        lines.append(
+            f"rayload's shard per worker: {shards} MB, of which straight into vLLM's "
+            f"parameters: {direct} MB (method {workers[0]['method']}); the parameters: "
+            f"{params} MB; peak RSS: medians over rounds"
+        )
     return "\n".join(lines)
 
 

@@ -87,6 +87,18 @@ def test_auto_selects_scratch_on_cpu_even_with_gds() -> None:
     assert "cpu" in res.reason
 
 
+def test_auto_into_given_device_memory_reads_straight_into_it_even_with_gds() -> None:
+    """An engine's parameters, resident tensors: fastsafetensors reads into buffers of its
+    own, which would then be copied; rayload's reader writes into the memory given."""
+    res = resolve_method("auto", GPU_GDS, HF, tp_size=2, device="auto", strict=True, into=True)
+    assert (res.selected, res.device, res.fallback_reason) == (LoadMethod.SCRATCH, "cuda:0", None)
+    assert "straight into it" in res.reason
+    converted = resolve_method(
+        "auto", GPU_GDS, CONVERTED_TP2, tp_size=2, device="auto", strict=True, into=True
+    )
+    assert converted.selected is LoadMethod.CONVERTED
+
+
 def test_auto_never_falls_back_even_when_strict() -> None:
     assert resolve("auto", NO_FST, strict=True).fallback_reason is None
 

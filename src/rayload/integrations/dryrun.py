@@ -26,8 +26,9 @@ with its bytes as before (:attr:`Destinations.through_loaders`), for a reason of
 * ``layout``: the copies do not make one region in the tensor's own order (a strided
   region of the parameter, a copy into two parameters), or the parameter is on another
   device than the load's;
-* ``quantized`` and ``method``: decided by the caller (a parameter its engine quantizes
-  or repacks as it loads; a load method that reads into memory of its own).
+* ``quantized``, ``method`` and ``off``: decided by the caller (a parameter its engine
+  quantizes or repacks as it loads; a load method that reads into memory of its own;
+  direct fill turned off).
 
 A tensor no loader copied anywhere is not read at all (:attr:`Destinations.unused`: e.g.
 a tied ``lm_head.weight`` the engine skips). The dry run's other effects on the
@@ -44,7 +45,7 @@ from typing import Any
 
 import torch
 
-from rayload.errors import MethodUnavailableError
+from rayload.errors import CheckpointError, MethodUnavailableError, RayloadError
 from rayload.integrations.partial import partial_tensor
 from rayload.integrations.standins import DryRun, Stand
 from rayload.loading.dtypes import torch_dtype
@@ -56,6 +57,7 @@ REASONS: dict[str, str] = {
     "layout": "not a plain region of the parameter",
     "quantized": "a quantized parameter",
     "method": "a load method that reads into memory of its own",
+    "off": "direct fill turned off",
 }
 """Why a tensor goes through the engine's weight loader: code -> what the report says."""
 
@@ -161,7 +163,12 @@ def find_destinations(
                 ),
             )
 
-    loaded = load_weights(stand_ins())
+    try:
+        loaded = load_weights(stand_ins())
+    except RayloadError:
+        raise
+    except Exception as exc:  # the engine's loader refused a tensor: name it
+        raise _refusal(exc, run, plan, parameter_of) from exc
     direct: dict[str, torch.Tensor] = {}
     fallbacks: dict[str, Fallback] = {}
     unused: list[str] = []
@@ -175,6 +182,38 @@ def find_destinations(
             else:
                 direct[shard.name] = route
     return Destinations(direct, fallbacks, tuple(unused), loaded)
+
+
+def _refusal(
+    exc: Exception, run: DryRun, plan: RankPlan, parameter_of: ParameterOf
+) -> CheckpointError:
+    """The error of an engine's weight loader that failed on a stand-in (its shapes and the
+    checkpoint's disagree): names the tensor, the parameter and both shapes."""
+    shards = {s.name: s for s in plan.shards}
+    shard = shards.get(run.current or "")
+    dest = run.refused if run.refused is not None else _parameter_in(exc)
+    tensor = f"{shard.name!r} {list(shard.full_shape)}" if shard else "a checkpoint tensor"
+    into = "its parameter"
+    if dest is not None:
+        into = f"parameter {parameter_of(dest)[0]!r} {list(dest.shape)}"
+    return CheckpointError(
+        f"rank {plan.rank}: the engine's weight loader cannot put checkpoint tensor {tensor} "
+        f"into {into} ({type(exc).__name__}: {exc or 'its shapes differ'}): the checkpoint "
+        "and the engine's model config disagree; nothing was read",
+        tensor=shard.name if shard else None,
+    )
+
+
+def _parameter_in(exc: BaseException) -> torch.Tensor | None:
+    """The innermost ``param`` tensor of the frames ``exc`` went through (vLLM's weight
+    loaders name the parameter they fill ``param``), if any."""
+    found, tb = None, exc.__traceback__
+    while tb is not None:
+        candidate = tb.tb_frame.f_locals.get("param")
+        if isinstance(candidate, torch.Tensor):
+            found = candidate
+        tb = tb.tb_next
+    return found
 
 
 def _route(

@@ -28,12 +28,16 @@ from rayload.loading.plan import TensorShard
 class DryRun:
     """What the loaders did with the stand-ins: per tensor, its copies ``(destination,
     stand-in view)``; the first computation that needed its bytes; the destinations of
-    copies made after that (of zeros), to name the parameter."""
+    copies made after that (of zeros), to name the parameter. ``current`` is the tensor a
+    loader touched last, ``refused`` the destination of a copy whose shapes cannot match
+    (what a loader's failure names)."""
 
     device: torch.device
     copies: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     needed: dict[str, str] = field(default_factory=dict)
     later: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    current: str | None = None
+    refused: torch.Tensor | None = None
 
 
 _GEOMETRY = METADATA | {
@@ -73,16 +77,23 @@ class Stand(torch.Tensor):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func in _GEOMETRY:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
         stands = [a for a in _leaves((args, kwargs)) if isinstance(a, Stand)]
         stand = stands[0]
         run = stand._run
+        run.current = stand._name
+        if func in _GEOMETRY:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         into_real = not isinstance(args[0], Stand)
         if func is torch.Tensor.copy_ and into_real and isinstance(args[1], Stand):
-            run.copies.setdefault(args[1]._name, []).append((args[0], args[1]))
-            return args[0]
+            dest, source = args[0], args[1]
+            if not _fits(source, dest):
+                run.refused = dest
+                raise RuntimeError(
+                    f"a copy of shape {list(source.shape)} into {list(dest.shape)} cannot be made"
+                )
+            run.copies.setdefault(source._name, []).append((dest, source))
+            return dest
         if func is torch.Tensor.__setitem__ and into_real and isinstance(args[2], Stand):
             target = args[0][args[1]]
             if _aliases(target, args[0]):
@@ -144,6 +155,14 @@ class Traced(torch.Tensor):
         if func in METADATA or any(out is a for a in args):
             return out
         return _map(out, lambda t: Traced.of(t, traced._name, traced._run))
+
+
+def _fits(source: torch.Tensor, dest: torch.Tensor) -> bool:
+    """Whether ``dest.copy_(source)`` can run: ``source`` broadcasts to ``dest``'s shape."""
+    try:
+        return tuple(torch.broadcast_shapes(source.shape, dest.shape)) == tuple(dest.shape)
+    except RuntimeError:
+        return False
 
 
 def _views_of(out: Any, stand: Stand) -> bool:

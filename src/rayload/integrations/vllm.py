@@ -118,9 +118,12 @@ class VllmLoadOptions(BaseModel):
     checkpoint directory or ``s3://bucket/prefix`` (default: vLLM's model directory). vLLM
     0.32 takes an ``s3://`` model only with its own streaming formats, so an object-storage
     checkpoint is a local model directory (config.json, the tokenizer) plus ``path``.
-    ``batch_bytes``: about the most bytes of the rank's shard loaded before vLLM copies
-    them into its parameters and they are freed (whole checkpoint files at a time; 0: the
-    whole shard at once): the load holds at most that much beside the model.
+    ``batch_bytes``: about the most bytes of the rank's shard loaded before vLLM's weight
+    loaders copy them into its parameters and they are freed (whole checkpoint files at a
+    time; 0: the whole shard at once), for the tensors that go through them: the load
+    holds at most that much beside the model. ``direct``: read each tensor straight into
+    its parameter where its region is a plain one (the default); False sends every tensor
+    through vLLM's weight loaders, staged.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -134,6 +137,7 @@ class VllmLoadOptions(BaseModel):
     trace_dir: str | None = None
     path: str | None = None
     batch_bytes: int = Field(default=1 << 30, ge=0)
+    direct: bool = True
 
     @classmethod
     def parse(cls, extra: object) -> VllmLoadOptions:
@@ -507,6 +511,8 @@ def _destinations(
     if options.method in _OWN_MEMORY:
         why = f"method {options.method} loads into buffers of its own"
         return through_loaders(plan, "method", why)
+    if not options.direct:
+        return through_loaders(plan, "off", "model_loader_extra_config direct=False")
     names: dict[int, str] = {}
     for kind in (model.named_parameters(), model.named_buffers()):
         for name, tensor in kind:

@@ -30,6 +30,7 @@ from rayload.errors import CheckpointError
 from rayload.loading.dtypes import torch_dtype
 from rayload.loading.plan import TensorShard
 from rayload.loading.reader.options import ReaderOptions, ReadSettings
+from rayload.loading.reader.pages import prefault
 from rayload.loading.reader.readplan import Batch, Read, Segment, batch_reads, plan_reads
 from rayload.loading.reader.sinks import HostSink, Sink, StagedDeviceSink, Views, host_view
 from rayload.loading.storage import Storage, is_remote, storage_for
@@ -61,7 +62,7 @@ def run_reads(
                 if len(inflight) >= settings.window:
                     total += _finish(inflight.popleft(), sink)
                 views = sink.acquire(batch)
-                future = pool.submit(_pread_batch, fds, batch, views, on_read)
+                future = pool.submit(_pread_batch, fds, batch, views, on_read, sink.prefault)
                 inflight.append((batch, views, future))
             while inflight:
                 total += _finish(inflight.popleft(), sink)
@@ -83,10 +84,19 @@ def _finish(item: tuple[Batch, Views, Future[int]], sink: Sink) -> int:
 
 
 def _pread_batch(
-    fds: Mapping[str, RangeSource], batch: Batch, views: Views, on_read: ReadHook | None
+    fds: Mapping[str, RangeSource],
+    batch: Batch,
+    views: Views,
+    on_read: ReadHook | None,
+    fresh: bool,
 ) -> int:
+    """``batch``'s reads into ``views``; ``fresh``: the views may be memory not yet
+    faulted in, so each is faulted in at once before its read (:func:`.pages.prefault`)."""
     total = 0
     for read, read_views in zip(batch.reads, views, strict=True):
+        if fresh:
+            for view in read_views:
+                prefault(view)
         total += _pread_all(fds[read.file], read, read_views)
         if on_read is not None:
             on_read(read, read_views)

@@ -23,7 +23,11 @@ Views = list[list[memoryview]]
 
 class Sink(Protocol):
     """Where a batch's bytes land: ``acquire`` gives the buffers to read into,
-    ``release`` is called once the batch is read, in batch order."""
+    ``release`` is called once the batch is read, in batch order. ``prefault``: the
+    buffers may be memory not yet faulted in (the reader faults each in at once before
+    reading into it), False for buffers that are resident already (staging)."""
+
+    prefault: bool
 
     def acquire(self, batch: Batch) -> Views: ...
 
@@ -43,6 +47,8 @@ class HostSink:
 
     ``touched``, when given, collects the destinations a read has been handed (the
     bytes of those may have changed, even when the read then fails)."""
+
+    prefault = True
 
     def __init__(self, targets: Sequence[memoryview], touched: set[int] | None = None) -> None:
         self.targets = targets
@@ -73,6 +79,8 @@ class StagedDeviceSink:
     read starts after one allocation instead of all of them (page-locking new memory is
     slow), and a load of few batches pins few buffers. ``touched``, when given, collects
     the destinations a copy has been queued into."""
+
+    prefault = False  # pinned staging buffers are resident
 
     def __init__(
         self,
