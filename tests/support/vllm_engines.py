@@ -82,6 +82,8 @@ class EngineRun:
     startup_s: float
     reloaded: tuple[Answers, ...] = ()
     expert_parallel: list[dict[str, Any]] | None = None
+    variants: list[list[dict[str, Any]]] | None = None
+    """Per worker (rank order), per variant asked: :func:`worker_variant_probe`."""
 
     @property
     def answers(self) -> Answers:
@@ -96,11 +98,14 @@ def run_engine(
     *,
     reloads: Sequence[Reload] = (),
     probe_expert_parallel: bool = False,
+    variants: Sequence[Variant] = (),
     **engine: Any,
 ) -> EngineRun:
     """Start, generate, probe, reload and generate again, stop (see the module docstring).
     ``probe_expert_parallel``: the workers also compare fresh copies of the model built
-    with vLLM's expert parallelism (:func:`worker_expert_parallel_probe`). Raises what
+    with vLLM's expert parallelism (:func:`worker_expert_parallel_probe`);
+    ``variants``: fresh copies in other dtypes, from other checkpoints, with other
+    options (:func:`worker_variant_probe`). Raises what
     ``LLM(...)`` raises, after cleaning up vLLM's process-wide state."""
     from vllm.distributed import cleanup_dist_env_and_memory
 
@@ -129,6 +134,9 @@ def run_engine(
         expert_parallel = (
             llm.collective_rpc(worker_expert_parallel_probe) if probe_expert_parallel else None
         )
+        variant_probes = (
+            llm.collective_rpc(worker_variant_probe, args=(list(variants),)) if variants else None
+        )
         reloaded = []
         for reload in reloads:
             read = llm.collective_rpc(reload_in_place, args=(reload.load_format, reload.checkpoint))
@@ -150,6 +158,7 @@ def run_engine(
         startup_s=startup_s,
         reloaded=tuple(reloaded),
         expert_parallel=expert_parallel,
+        variants=variant_probes,
     )
 
 
@@ -218,11 +227,57 @@ def worker_expert_parallel_probe(worker: Any) -> dict[str, Any]:
     return {
         "rank": get_tensor_model_parallel_rank(),
         "rayload_expert_parallel": None if load is None else load.expert_parallel,
+        "direct_bytes": None if load is None else load.direct_bytes,
+        "shard_bytes": None if load is None else load.shard_bytes,
         "expert_shapes": {
             name: list(p.shape) for name, p in auto.named_parameters() if ".experts." in name
         },
         "compare": _compare(dict(auto.named_parameters()), dict(rayload.named_parameters())),
     }
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A fresh copy of a worker's model built in ``dtype`` and loaded from ``checkpoint``
+    (None: the engine's), rayload's with ``extra`` added to the engine's
+    ``model_loader_extra_config``."""
+
+    checkpoint: str | None = None
+    dtype: str | None = None
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def worker_variant_probe(worker: Any, variants: Sequence[Variant]) -> list[dict[str, Any]]:
+    """Runs in each worker: per :class:`Variant`, the fresh-model comparison of
+    :func:`worker_probe` for copies built and loaded so, and rayload's load record."""
+    from rayload.integrations.vllm import last_load
+
+    config = worker.vllm_config
+    model_config, load_config = config.model_config, config.load_config
+    results = []
+    for variant in variants:
+        saved = model_config.model, model_config.dtype, load_config.model_loader_extra_config
+        model_config.model = variant.checkpoint or model_config.model
+        model_config.dtype = getattr(torch, variant.dtype) if variant.dtype else model_config.dtype
+        load_config.model_loader_extra_config = {**(saved[2] or {}), **variant.extra}
+        try:
+            auto, rayload = (_fresh_load(worker, fmt) for fmt in ("auto", "rayload"))
+        finally:
+            model_config.model, model_config.dtype, load_config.model_loader_extra_config = saved
+        load = last_load()
+        assert load is not None
+        results.append(
+            {
+                "compare": _compare(
+                    dict(auto.named_parameters()), dict(rayload.named_parameters())
+                ),
+                "shard_bytes": load.shard_bytes,
+                "direct_bytes": load.direct_bytes,
+                "loader_bytes": load.loader_bytes,
+                "batches": load.batches,
+            }
+        )
+    return results
 
 
 def _fresh_load(worker: Any, load_format: str) -> torch.nn.Module:

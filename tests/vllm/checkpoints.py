@@ -12,7 +12,8 @@ gives O(1) logits, so that greedy tokens depend on every weight.
   over several files: rayload's vLLM loader loads it in batches of whole files).
 
 :func:`write_changed` copies one with every tensor changed (for in-place reloads that
-must change an engine's answers).
+must change an engine's answers); :func:`write_bfloat16` one with every tensor in
+bfloat16.
 """
 
 from __future__ import annotations
@@ -97,4 +98,26 @@ def write_changed(checkpoint: Path, out: Path) -> Path:
         tensors = load_file(file)
         rolled = {name: torch.roll(t, 1, 0).contiguous() for name, t in tensors.items()}
         save_file(rolled, out / file.name, metadata={"format": "pt"})
+    return out
+
+
+def write_bfloat16(checkpoint: Path, out: Path) -> Path:
+    """``checkpoint`` copied to ``out`` with every tensor in bfloat16 (and config.json's
+    ``torch_dtype`` saying so): the same names, shapes and files."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(checkpoint, out)
+    for file in checkpoint.glob("*.safetensors"):
+        tensors = {name: t.to(torch.bfloat16) for name, t in load_file(file).items()}
+        save_file(tensors, out / file.name, metadata={"format": "pt"})
+    for index in out.glob("*.index.json"):  # the index's total size halves with the bytes
+        data = json.loads(index.read_text())
+        data.setdefault("metadata", {})["total_size"] = data["metadata"].get("total_size", 0) // 2
+        index.write_text(json.dumps(data))
+    config = json.loads((out / "config.json").read_text())
+    config["torch_dtype"] = config["dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(config))
     return out

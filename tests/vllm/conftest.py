@@ -79,3 +79,14 @@ def vllm_changed_checkpoints(
     root = tmp_path_factory.mktemp("vllm-changed")
     write = _checkpoints().write_changed
     return {family: write(path, root / family) for family, path in vllm_checkpoints.items()}
+
+
+@pytest.fixture(scope="session")
+def vllm_bf16_checkpoints(
+    vllm_checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """Every family's checkpoint in bfloat16 (checkpoints.write_bfloat16): family ->
+    directory (read-only)."""
+    root = tmp_path_factory.mktemp("vllm-bf16")
+    write = _checkpoints().write_bfloat16
+    return {family: write(path, root / family) for family, path in vllm_checkpoints.items()}

@@ -41,11 +41,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from rayload.errors import CheckpointError, ShardingError
 from rayload.loading.plan import plan_shards
 from support.reading import bytes_to_read
-from support.vllm_engines import MAX_TOKENS, PROMPTS, Answers, EngineRun, Reload, run_engine
+from support.vllm_engines import (
+    MAX_TOKENS,
+    PROMPTS,
+    Answers,
+    EngineRun,
+    Reload,
+    Variant,
+    run_engine,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -84,24 +93,60 @@ class Compared:
 Runs = Callable[[str, int], Compared]
 
 
+VARIANT_NAMES = ("bf16", "dtype", "off", "method")
+"""The fresh copies each rayload engine's workers also load (:func:`_variants`), by name."""
+OPTION_CASES = {("llama_gqa", 2)}
+"""The cases whose workers also load with ``direct=False`` and ``method=fastsafetensors``."""
+
+
+def _variants(family: str, tp: int, bf16: dict[str, Path]) -> dict[str, Variant]:
+    """A bfloat16 copy of the checkpoint into a bfloat16 model (straight in, as float32
+    is); the float32 checkpoint into a bfloat16 model (a dtype conversion: vLLM's loaders);
+    and, for :data:`OPTION_CASES`, the two options that send every tensor through them."""
+    variants = {
+        "bf16": Variant(str(bf16[family]), "bfloat16"),
+        "dtype": Variant(None, "bfloat16"),
+    }
+    if (family, tp) in OPTION_CASES:
+        variants["off"] = Variant(extra={"direct": False})
+        variants["method"] = Variant(extra={"method": "fastsafetensors"})
+    return variants
+
+
 @pytest.fixture(scope="module")
-def runs(vllm_checkpoints: dict[str, Path], vllm_changed_checkpoints: dict[str, Path]) -> Runs:
+def runs(
+    vllm_checkpoints: dict[str, Path],
+    vllm_changed_checkpoints: dict[str, Path],
+    vllm_bf16_checkpoints: dict[str, Path],
+) -> Runs:
     """``(family, tp) -> Compared``, its engines run once (a failure too: every test of the
     pair reports it, none starts the engines again)."""
     cache: dict[tuple[str, int], Compared | BaseException] = {}
 
     def compare(family: str, tp: int) -> Compared:
         path = str(vllm_checkpoints[family])
+        variants = tuple(_variants(family, tp, vllm_bf16_checkpoints).values())
         if family in OWN_ENGINE:
             auto = run_engine(path, tp, "auto").answers
             ep = family in MOE and tp > 1
             extra = {"batch_bytes": BATCHED[family]} if family in BATCHED else {}
             rayload = run_engine(
-                path, tp, "rayload", probe_expert_parallel=ep, model_loader_extra_config=extra
+                path,
+                tp,
+                "rayload",
+                probe_expert_parallel=ep,
+                variants=variants,
+                model_loader_extra_config=extra,
             )
             return Compared(rayload, auto, None)
         changed = str(vllm_changed_checkpoints[family])
-        rayload = run_engine(path, tp, "rayload", reloads=(Reload("auto", changed), Reload("auto")))
+        rayload = run_engine(
+            path,
+            tp,
+            "rayload",
+            reloads=(Reload("auto", changed), Reload("auto")),
+            variants=variants,
+        )
         return Compared(rayload, rayload.reloaded[1], rayload.reloaded[0])
 
     def get(family: str, tp: int) -> Compared:
@@ -196,11 +241,66 @@ def test_each_worker_reads_its_shard_and_the_headers(
         assert load["bytes_read"] == load["shard_bytes"] + gaps
         extra = load["read_chars"] - load["bytes_read"] - headers
         assert 0 <= extra <= PROC_IO_READ, f"rank {rank}: rchar {load['read_chars']}"
-        files = len(list(path.glob("*.safetensors")))
+        assert load["batches"] == 0  # every tensor straight in: no batch through loaders
+
+
+@pytest.mark.parametrize(("family", "tp"), CASES)
+def test_every_tensor_goes_straight_into_vllms_parameters_in_float32_and_bfloat16(
+    runs: Runs, family: str, tp: int
+) -> None:
+    """Every byte of the shard read into the region of the vLLM parameter it fills (no
+    tensor through vLLM's weight loaders), the parameters byte for byte as ``auto``
+    leaves them: the engine's float32 load, and fresh bfloat16 copies loaded from a
+    bfloat16 copy of the checkpoint; with expert parallel too."""
+    rayload = runs(family, tp).rayload
+    assert rayload.variants is not None
+    for worker, variants in zip(rayload.workers, rayload.variants, strict=True):
+        load = worker["load"]
+        assert load["shard_bytes"] > 0 and load["direct_bytes"] == load["shard_bytes"]
+        assert load["loader_bytes"] == {} and load["unused_bytes"] == 0
+        bf16 = variants[VARIANT_NAMES.index("bf16")]
+        assert bf16["direct_bytes"] == bf16["shard_bytes"] == load["shard_bytes"] // 2
+        assert bf16["loader_bytes"] == {} and bf16["batches"] == 0
+        assert bf16["compare"]["differ"] == [] and bf16["compare"]["nan_left"] == []
+    for probe in rayload.expert_parallel or []:
+        assert probe["direct_bytes"] == probe["shard_bytes"] > 0
+
+
+@pytest.mark.parametrize(("family", "tp"), CASES)
+def test_a_dtype_conversion_goes_through_vllms_weight_loaders_and_holds_their_bytes(
+    runs: Runs, vllm_checkpoints: dict[str, Path], family: str, tp: int
+) -> None:
+    """A float32 checkpoint into a bfloat16 model: every tensor through vLLM's weight
+    loaders (reason ``dtype``), in batches of whole files where the engine asks for them
+    (Mixtral: ``batch_bytes`` 64 KiB), the parameters as ``auto`` leaves them."""
+    rayload = runs(family, tp).rayload
+    assert rayload.variants is not None
+    files = len(list(vllm_checkpoints[family].glob("*.safetensors")))
+    for variants in rayload.variants:
+        dtype = variants[VARIANT_NAMES.index("dtype")]
+        assert dtype["direct_bytes"] == 0 and dtype["loader_bytes"] == {
+            "dtype": dtype["shard_bytes"]
+        }
+        assert dtype["compare"]["differ"] == [] and dtype["compare"]["nan_left"] == []
         if family in BATCHED:
-            assert files > 2 and 1 < load["batches"] <= files, (files, load["batches"])
+            assert files > 2 and 1 < dtype["batches"] <= files, (files, dtype["batches"])
         else:
-            assert load["batches"] == 1
+            assert dtype["batches"] == 1
+
+
+@pytest.mark.parametrize(("family", "tp"), sorted(OPTION_CASES))
+@pytest.mark.parametrize(("variant", "reason"), [("off", "off"), ("method", "method")])
+def test_direct_off_and_a_method_of_its_own_memory_go_through_vllms_weight_loaders(
+    runs: Runs, family: str, tp: int, variant: str, reason: str
+) -> None:
+    rayload = runs(family, tp).rayload
+    assert rayload.variants is not None
+    for variants in rayload.variants:
+        probe = variants[VARIANT_NAMES.index(variant)]
+        assert probe["direct_bytes"] == 0 and probe["loader_bytes"] == {
+            reason: probe["shard_bytes"]
+        }
+        assert probe["compare"]["differ"] == [] and probe["compare"]["nan_left"] == []
 
 
 def test_a_tensor_rayload_cannot_plan_is_one_error_naming_it(
@@ -233,6 +333,29 @@ def test_a_parameter_the_checkpoint_cannot_fill_is_one_error_naming_it(
     save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"no checkpoint tensor filled .*'lm_head\.weight'"):
         run_engine(str(broken), 1, "rayload")
+
+
+def test_a_tensor_that_does_not_fit_its_parameter_is_one_error_and_no_engine(
+    vllm_checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    """``model.norm.weight`` one element too long: vLLM's weight loader refuses it in the
+    dry run, before any byte is read; the error names the tensor, the parameter and both
+    shapes."""
+    from safetensors.torch import load_file, save_file
+
+    source, broken = vllm_checkpoints["qwen2"], tmp_path / "qwen2-long-norm"
+    broken.mkdir()
+    (broken / "config.json").write_text((source / "config.json").read_text())
+    tensors = load_file(str(source / "model.safetensors"))
+    tensors["model.norm.weight"] = torch.ones(129)
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as info:
+        run_engine(str(broken), 1, "rayload")
+    message = str(info.value)
+    assert info.value.tensor == "model.norm.weight"
+    assert (
+        "'model.norm.weight' [129]" in message and "parameter 'model.norm.weight' [128]" in message
+    )
 
 
 def _tensor_count(path: Path) -> int:
