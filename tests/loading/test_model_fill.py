@@ -1,6 +1,8 @@
-"""``fill_model`` / ``build_and_fill``: the engine's module filled in place from a rank's shards,
-without Ray: zero copy on meta, stacked parameters packed in the mapping's order with the
-pieces turned into views, and one clear error per disagreement."""
+"""``fill_model`` and the model step (``build_module``, ``model_destinations``,
+``fill_module``): the engine's module filled in place from a rank's shards, without Ray:
+zero copy on meta, stacked parameters packed in the mapping's order with the pieces turned
+into views, shards read straight into a module's own memory, and one clear error per
+disagreement (before any byte is read when the module is built first)."""
 
 from __future__ import annotations
 
@@ -16,11 +18,18 @@ from rayload.loading import PhaseTimer, load_rank, plan_shards
 from rayload.loading.fill import fill_model
 from rayload.loading.model import (
     ModelContext,
-    build_and_fill,
+    build_module,
     engine_phase_name,
     engine_phases,
+    fill_module,
+    model_destinations,
 )
-from support.toy_llama import STACKED_PARAMS_MAPPING, ToyLlama, toy_llama_on_meta
+from support.toy_llama import (
+    STACKED_PARAMS_MAPPING,
+    ToyLlama,
+    toy_llama_on_device,
+    toy_llama_on_meta,
+)
 
 Reference = Callable[[Path, int, int, str, int | None], torch.Tensor]
 
@@ -137,43 +146,149 @@ def test_fill_model_fills_tied_parameters_once_in_every_owner() -> None:
     assert module.head.weight.data_ptr() == shard.data_ptr()
 
 
-def test_fill_model_toy_llama_from_load_rank_matches_the_checkpoint_zero_copy(
+def load_toy_llama(
+    path: Path, factory: Callable[[ModelContext], nn.Module], method: str = "scratch"
+) -> tuple[nn.Module, dict[str, torch.Tensor], list[str], dict[str, object]]:
+    """Rank 1 of 2 of ``path`` loaded as the rank actor loads a ``model=`` factory's
+    module: built first, read into its memory where it has it, filled after the read.
+    Returns the module, the rank's tensors, the phase names and rank.model.fill's
+    attributes."""
+    timer = PhaseTimer()
+    context = ModelContext(
+        rank=1, tp_size=2, device="cpu", config=plan_config(path), phase=engine_phases(timer)
+    )
+    module = build_module(factory, context, timer=timer)
+    tensors, report = load_rank(
+        path,
+        1,
+        2,
+        method,
+        "cpu",
+        timer=timer,
+        into=model_destinations(module, method, "cpu"),
+        post_load=lambda tensors: fill_module(module, tensors, rank=1, timer=timer),
+    )
+    names = [p.name for p in report.phases]
+    (fill,) = [p for p in report.phases if p.name == "rank.model.fill"]
+    return module, tensors, names, dict(fill.attributes)
+
+
+def assert_holds_rank_1(module: nn.Module, path: Path, reference_shard: Reference) -> None:
+    """Every parameter of ``module`` is rank 1's shard of ``path`` (qkv stacked)."""
+    plan = plan_shards(path, 2)
+    params = dict(module.named_parameters())
+    for name, split in plan.splits.items():
+        if name in params:
+            assert torch.equal(params[name], reference_shard(path, 1, 2, name, split)), name
+    layer = module.model.layers[0]
+    q, k, v = (
+        reference_shard(path, 1, 2, f"model.layers.0.self_attn.{p}_proj.weight", 0) for p in "qkv"
+    )
+    assert torch.equal(layer.self_attn.qkv_proj.weight, torch.cat([q, k, v]))
+
+
+def test_model_on_meta_takes_the_shards_storage_and_its_stacked_parameters_are_read_into(
     tiny_llama: Path, reference_shard: Reference
 ) -> None:
-    plan = plan_shards(tiny_llama, 2)
-    models: list[nn.Module] = []
-    timer = PhaseTimer()
-
-    def post_load(tensors: dict[str, torch.Tensor]) -> None:
-        config = plan_config(tiny_llama)
-        context = ModelContext(
-            rank=1, tp_size=2, device="cpu", config=config, phase=engine_phases(timer)
-        )
-        models.append(build_and_fill(toy_llama_on_meta, context, tensors, timer=timer))
-
-    tensors, report = load_rank(
-        tiny_llama, 1, 2, "scratch", "cpu", timer=timer, post_load=post_load
-    )
-    (module,) = models
+    module, tensors, names, fill = load_toy_llama(tiny_llama, toy_llama_on_meta)
     assert isinstance(module, ToyLlama)
     params = dict(module.named_parameters())
     assert params["model.embed_tokens.weight"].data_ptr() == (
         tensors["model.embed_tokens.weight"].data_ptr()
     )
-    for name, split in plan.splits.items():
-        want = reference_shard(tiny_llama, 1, 2, name, split)
-        assert torch.equal(tensors[name], want), name
-    layer = module.model.layers[0]
-    q, k, v = (
-        reference_shard(tiny_llama, 1, 2, f"model.layers.0.self_attn.{p}_proj.weight", 0)
-        for p in "qkv"
+    assert_holds_rank_1(module, tiny_llama, reference_shard)
+    qkv = module.model.layers[0].self_attn.qkv_proj.weight
+    assert tensors["model.layers.0.self_attn.k_proj.weight"].data_ptr() > qkv.data_ptr()
+    # The module is built before the checkpoint is opened, filled after the read.
+    assert names.index("rank.model.build") < names.index("rank.resolve")
+    assert names.index("rank.plan") < names.index("rank.destinations") < names.index("rank.read")
+    assert {"engine.build_skeleton", "rank.model.fill"} <= set(names)
+    assert fill["model.stacked"] == 2 * 2  # qkv + gate_up per layer
+    assert fill["model.copied_bytes"] == 0, "the pieces were read into their rows"
+    stacked = sum(
+        t.numel() * t.element_size()
+        for n, t in tensors.items()
+        if any(f".{p}_proj." in n for p in ("q", "k", "v", "gate", "up"))
     )
-    assert torch.equal(layer.self_attn.qkv_proj.weight, torch.cat([q, k, v]))
-    names = [p.name for p in report.phases]
-    assert names.index("rank.model") > names.index("rank.model.fill")  # ended after
-    assert {"rank.model.build", "rank.model.fill", "engine.build_skeleton"} <= set(names)
-    (fill,) = [p for p in report.phases if p.name == "rank.model.fill"]
-    assert fill.attributes["model.stacked"] == 2 * 2  # qkv + gate_up per layer
+    assert fill["model.direct_bytes"] == stacked > 0
+
+
+def test_model_with_real_parameters_is_read_into_them_without_a_copy(
+    tiny_llama: Path, reference_shard: Reference
+) -> None:
+    built: dict[str, int] = {}
+
+    def factory(context: ModelContext) -> nn.Module:
+        module = toy_llama_on_device(context)
+        built.update((n, p.data_ptr()) for n, p in module.named_parameters())
+        return module
+
+    module, tensors, _, fill = load_toy_llama(tiny_llama, factory)
+    assert {n: p.data_ptr() for n, p in module.named_parameters()} == built, "same memory"
+    assert_holds_rank_1(module, tiny_llama, reference_shard)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert fill["model.direct_bytes"] == total and fill["model.copied_bytes"] == 0
+    assert fill["model.zero_copy"] == 0
+    params = dict(module.named_parameters())
+    assert tensors["lm_head.weight"].data_ptr() == params["lm_head.weight"].data_ptr()
+
+
+def test_model_of_another_dtype_is_converted_by_a_copy_the_fill_counts(
+    tiny_llama: Path, reference_shard: Reference
+) -> None:
+    def float32_llama(context: ModelContext) -> nn.Module:
+        return ToyLlama(context.config, context.tp_size, torch.float32)
+
+    module, tensors, _, fill = load_toy_llama(tiny_llama, float32_llama)
+    total = sum(t.numel() * 2 for t in tensors.values())  # bf16 in the checkpoint
+    assert fill["model.copied_bytes"] == total and fill["model.direct_bytes"] == 0
+    params = dict(module.named_parameters())
+    want = reference_shard(tiny_llama, 1, 2, "model.norm.weight", None)
+    assert torch.equal(params["model.norm.weight"], want.float())
+
+
+def test_model_that_does_not_fit_the_shards_fails_before_any_byte_is_read(
+    tiny_llama: Path,
+) -> None:
+    def built_for_one_rank(context: ModelContext) -> nn.Module:
+        return ToyLlama(context.config, 1, torch.bfloat16)
+
+    timer = PhaseTimer()
+    context = ModelContext(rank=1, tp_size=2, device="cpu", config=plan_config(tiny_llama))
+    module = build_module(built_for_one_rank, context, timer=timer)
+    with pytest.raises(ModelMismatchError, match=r"rank 1: .* has shape") as info:
+        load_rank(
+            tiny_llama,
+            1,
+            2,
+            "scratch",
+            "cpu",
+            timer=timer,
+            into=model_destinations(module, "scratch", "cpu"),
+        )
+    assert info.value.exit_code == 2
+    names = [p.name for p in timer.records]
+    assert "rank.destinations" in names and "rank.read" not in names
+
+
+@pytest.mark.parametrize(
+    ("method", "peer", "factory"),
+    [
+        ("fastsafetensors", False, toy_llama_on_device),
+        ("dummy", False, toy_llama_on_device),
+        ("auto", True, toy_llama_on_device),
+        ("scratch", False, lambda context: Block()),
+    ],
+)
+def test_model_destinations_only_where_the_reader_fills_the_modules_memory(
+    tiny_llama: Path, method: str, peer: bool, factory: Callable[[ModelContext], nn.Module]
+) -> None:
+    context = ModelContext(rank=0, tp_size=2, device="cpu", config=plan_config(tiny_llama))
+    module = factory(context)
+    assert (model_destinations(module, method, "cpu", peer=peer) is None) == (method != "scratch")
+    with torch.device("meta"):
+        bare = nn.Linear(3, 3)  # all on meta, nothing stacked: takes the shards as read
+    assert model_destinations(bare, "scratch", "cpu") is None
 
 
 def plan_config(path: Path) -> dict[str, object]:
@@ -268,8 +383,8 @@ def test_build_model_factory_not_returning_a_module_is_a_config_error() -> None:
     context = ModelContext(rank=0, tp_size=1, device="cpu", config={})
     timer = PhaseTimer()
     with pytest.raises(ConfigError, match="rank 0: the model factory returned dict"):
-        build_and_fill(lambda _: {}, context, {}, timer=timer)
-    assert [p.name for p in timer.records] == ["rank.model.build", "rank.model"]
+        build_module(lambda _: {}, context, timer=timer)
+    assert [p.name for p in timer.records] == ["rank.model.build"]
     assert all(p.error for p in timer.records)
 
 

@@ -60,7 +60,13 @@ from rayload.actors.process_group import free_port, join_process_group, leave_pr
 from rayload.import_clock import IMPORT_START_NS, TORCH_CHILD_IMPORTS, TORCH_IMPORTED_NS
 from rayload.loading import load_rank
 from rayload.loading.checkpoint import Checkpoint
-from rayload.loading.model import ModelContext, build_and_fill, engine_phases
+from rayload.loading.model import (
+    ModelContext,
+    build_module,
+    engine_phases,
+    fill_module,
+    model_destinations,
+)
 from rayload.loading.probe import EnvProbe, probe_environment, read_chars
 from rayload.loading.rank import PostLoad, reload_rank
 from rayload.loading.report import PhaseTimer, RankReport
@@ -226,6 +232,8 @@ class RankActor:
                 self._process_group = join_process_group(
                     request.process_group, rank=self._rank, device=device, timer=timer
                 )
+            peer = self._peer_source(request)
+            module = self._build_model(request, device, timer)
             with _storage_deadline(request):
                 self._tensors, report = load_rank(
                     request.path,
@@ -238,11 +246,16 @@ class RankActor:
                     model_role=request.model_role,
                     probe=self._probe(),
                     timer=timer,
-                    post_load=self._model_builder(request, device, timer),
+                    post_load=self._model_filler(module, timer),
                     expert_parallel=request.expert_parallel,
-                    peer=self._peer_source(request),
+                    peer=peer,
                     checkpoint=_drivers_checkpoint(request),
                     group=self._storage_group(request),
+                    into=None
+                    if module is None
+                    else model_destinations(
+                        module, str(request.method), device, peer=peer is not None
+                    ),
                 )
             report = _with_node(report, self._node_id, request.replica_index)
             self._report = report
@@ -462,10 +475,9 @@ class RankActor:
             rank=self._rank,
         )
 
-    def _model_builder(
-        self, request: LoadRequest, device: str, timer: PhaseTimer
-    ) -> PostLoad | None:
-        """The post-load step that builds and fills the ``model=`` factory's module."""
+    def _build_model(self, request: LoadRequest, device: str, timer: PhaseTimer) -> Any:
+        """The ``model=`` factory's module (``rank.model.build``), built before any byte is
+        read so that the shards can be read into its memory; None without a factory."""
         factory = request.model
         if factory is None:
             return None
@@ -478,11 +490,18 @@ class RankActor:
             phase=engine_phases(timer),
             expert_parallel=request.expert_parallel,
         )
+        return build_module(factory, context, timer=timer)
 
-        def build(tensors: dict[str, Any]) -> None:
-            self._model = build_and_fill(factory, context, tensors, timer=timer)
+    def _model_filler(self, module: Any, timer: PhaseTimer) -> PostLoad | None:
+        """The post-load step that fills ``module`` from the shards (``rank.model.fill``)."""
+        if module is None:
+            return None
 
-        return build
+        def fill(tensors: dict[str, Any]) -> None:
+            fill_module(module, tensors, rank=self._rank, timer=timer)
+            self._model = module
+
+        return fill
 
     def _timer(self) -> PhaseTimer:
         if self._fault is not None and self._fault.rank == self._rank:

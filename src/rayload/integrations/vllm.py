@@ -73,7 +73,7 @@ from rayload.loading.plan import RankPlan, TensorShard
 from rayload.loading.plan_hf import tensor_shard
 from rayload.loading.probe import read_chars
 from rayload.loading.rank import load_rank, plan_rank
-from rayload.loading.report import PhaseTimer, RankReport
+from rayload.loading.report import DESTINATIONS, PhaseTimer, RankReport
 from rayload.loading.rules import Rule, RuleSet, resolve_rules
 from rayload.loading.storage import is_remote
 
@@ -93,7 +93,7 @@ _vllm_log = init_logger("vllm.model_executor.model_loader.rayload")
 LOAD_FORMAT = "rayload"
 """vLLM's name of this load format (``load_format="rayload"``)."""
 
-DESTINATIONS_PHASE = "rank.destinations"
+DESTINATIONS_PHASE = DESTINATIONS
 """The dry run of vLLM's weight loaders that finds where each tensor lands
 (:mod:`~rayload.integrations.dryrun`): a phase of the worker's ``rank.load``."""
 

@@ -27,7 +27,14 @@ from rayload.loading.peer import PeerSource
 from rayload.loading.plan import RankPlan, plan_shards
 from rayload.loading.probe import EnvProbe, probe_environment
 from rayload.loading.reader import ReaderOptions
-from rayload.loading.report import PLAN, POST_LOAD, RESOLVE, PhaseTimer, RankReport
+from rayload.loading.report import (
+    DESTINATIONS,
+    PLAN,
+    POST_LOAD,
+    RESOLVE,
+    PhaseTimer,
+    RankReport,
+)
 from rayload.loading.resolve import LayoutInfo, Resolution, log_fallback, resolve_method
 from rayload.loading.rules import RulesArg
 from rayload.loading.storage import StorageCounters, storage_for
@@ -38,6 +45,8 @@ PostLoad = Callable[[dict[str, torch.Tensor]], object]
 AdjustPlan = Callable[[RankPlan, Checkpoint], RankPlan]
 """An engine's own layout applied to the rank's plan before any byte is read (e.g. vLLM's
 padded vocabulary shards); runs inside ``rank.plan``."""
+Into = Mapping[str, torch.Tensor] | Callable[[RankPlan], Mapping[str, torch.Tensor]]
+"""``load_rank(into=...)``: each shard's memory, or a function of the rank's plan giving it."""
 
 _MAY_USE_FASTSAFETENSORS = frozenset(
     {LoadMethod.AUTO, LoadMethod.PEER, LoadMethod.FASTSAFETENSORS, LoadMethod.FASTSAFETENSORS_GDR}
@@ -70,7 +79,7 @@ def load_rank(
     checkpoint: Checkpoint | None = None,
     group: Any = None,
     plan: RankPlan | None = None,
-    into: Mapping[str, torch.Tensor] | None = None,
+    into: Into | None = None,
 ) -> tuple[dict[str, torch.Tensor], RankReport]:
     """Load rank ``rank`` of ``tp_size`` of the checkpoint at ``path`` onto ``device``.
 
@@ -100,7 +109,10 @@ def load_rank(
     shape on ``device``: a region of an engine's parameter, say): the shards are loaded
     into it, and the returned tensors are those. ``scratch`` and ``converted`` read
     straight into it when it is contiguous and of the shard's dtype (``auto`` picks one
-    of them for it); other methods load fresh tensors and copy them in.
+    of them for it); other methods load fresh tensors and copy them in. ``into`` may be
+    a function of the rank's plan that returns that mapping (``rank.destinations``,
+    after ``rank.plan``): an engine's module built before the read
+    (:func:`rayload.loading.model.model_destinations`).
 
     Returns the tensors (this rank's shards by name) and the :class:`RankReport`, whose
     ``start_ns`` is taken before any config or header is parsed.
@@ -262,7 +274,7 @@ def _run(
     probe: EnvProbe | None,
     reader_options: ReaderOptions | None,
     expert_parallel: bool,
-    into: Mapping[str, torch.Tensor] | None = None,
+    into: Into | None = None,
     written: set[str] | None = None,
     peer: PeerSource | None = None,
     adjust_plan: AdjustPlan | None = None,
@@ -313,6 +325,9 @@ def _run(
     log_fallback(rank, resolution.requested, resolution.selected, resolution.fallback_reason)
 
     plan = _plan(checkpoint, rank, tp_size, timer, rules, expert_parallel, adjust_plan, plan)
+    if callable(into):
+        with timer.phase(DESTINATIONS, tensors=len(plan.shards)):
+            into = into(plan)
 
     backend = BACKENDS[resolution.selected](
         env,

@@ -22,6 +22,9 @@ TO_DEVICE = "rank.to_device"
 SYNC = "rank.sync"
 POST_LOAD = "rank.post_load"
 PHASES = (RESOLVE, PLAN, READ, TO_DEVICE, SYNC, POST_LOAD)
+DESTINATIONS = "rank.destinations"
+"""Between rank.plan and rank.read when the load is given an engine's memory: where
+each shard of the plan is read into (an engine's parameters)."""
 """Span names of a rank's phases, all children of ``rank.load``."""
 
 STORAGE_SOURCE = "storage"

@@ -27,15 +27,16 @@ Span tree::
     ├── rayload.peers             driver: replicas claimed in the peer directory, sources
     ├── rank.load                 rank process, one per rank
     │   ├── rank.process_group    joining the load's torch.distributed group (when asked)
+    │   ├── rank.model.build      the model= factory's module built, before any read
+    │   │                         (engine.<name> phases of the factory here too)
     │   ├── rank.resolve          ... one child per timed phase (loading.report.PHASES)
     │   ├── rank.plan
+    │   ├── rank.destinations     where each shard is read into: the module's memory
     │   ├── rank.read
     │   ├── rank.to_device
     │   ├── rank.sync
     │   ├── rank.post_load
-    │   ├── rank.model            within rank.post_load: the model= factory's module
-    │   ├── rank.model.build      ... built (engine.<name> phases of the factory here too)
-    │   └── rank.model.fill       ... and filled from the shards
+    │   └── rank.model.fill       within rank.post_load: the module filled from the shards
     └── engine.<name>             rank process: an engine phase after the load
                                   (state.phase(name) in LoadResult.apply)
 
@@ -53,7 +54,7 @@ from typing import Any
 
 from opentelemetry.util.types import AttributeValue
 
-from rayload.loading.model import ENGINE_PREFIX, MODEL_BUILD_PHASE, MODEL_FILL_PHASE, MODEL_PHASE
+from rayload.loading.model import ENGINE_PREFIX, MODEL_BUILD_PHASE, MODEL_FILL_PHASE
 from rayload.loading.report import PHASES
 
 ROOT_SPAN = "rayload.load"
@@ -111,7 +112,7 @@ ROOT_SPANS = (ROOT_SPAN, RELOAD_ROOT_SPAN)
 RANK_SPAN = "rank.load"
 RANK_PHASES: tuple[str, ...] = PHASES
 PROCESS_GROUP_SPAN = "rank.process_group"
-MODEL_SPANS = (MODEL_PHASE, MODEL_BUILD_PHASE, MODEL_FILL_PHASE)
+MODEL_SPANS = (MODEL_BUILD_PHASE, MODEL_FILL_PHASE)
 ENGINE_SPAN_PREFIX = ENGINE_PREFIX
 
 DRIVER_SERVICE = "rayload"

@@ -50,13 +50,48 @@ class ReaderOptions:
         storage, where a request waits on the network, not on a CPU: :data:`REMOTE_THREADS`
         ranged GETs in flight, of 16 MiB (8 MiB into CUDA: one pinned staging buffer each)."""
         cuda = device.type == "cuda"
+        cpus = process_cpus()
         if remote:
             threads = self.threads or REMOTE_THREADS
             chunk = self.chunk_bytes or ((8 if cuda else 16) << 20)
-            return ReadSettings(threads, chunk, self.staging_buffers or threads + 2)
-        threads = self.threads or (min(12, max(4, len(os.sched_getaffinity(0)))) if cuda else 4)
+            return ReadSettings(threads, chunk, self.staging_buffers or threads + 2, cpus)
+        allowed = len(cpus) if cpus else len(os.sched_getaffinity(0))
+        threads = self.threads or (min(12, max(4, allowed)) if cuda else 4)
         chunk = self.chunk_bytes or ((8 if cuda else 32) << 20)
-        return ReadSettings(threads, chunk, self.staging_buffers or threads + 2)
+        return ReadSettings(threads, chunk, self.staging_buffers or threads + 2, cpus)
+
+
+def process_cpus() -> frozenset[int] | None:
+    """The CPUs this process's threads run on together (the union of their affinities)
+    when that is more than the calling thread's own; None otherwise or where unknown.
+
+    An engine may pin its main thread to one core and its compute threads to the others:
+    vLLM's CPU worker binds its main thread to the first CPU of the worker's set and one
+    OpenMP thread to each other CPU of it. Threads inherit the affinity of the thread that
+    starts them, so the reader's would all share the main thread's one core (in a TP 1
+    worker of two CPUs, half of what the worker was given); :func:`run_on` widens them
+    to the process's set, never beyond it.
+    """
+    try:
+        own = os.sched_getaffinity(0)
+        union = set(own)
+        for task in os.listdir("/proc/self/task"):
+            try:
+                union |= os.sched_getaffinity(int(task))
+            except OSError:  # the thread has exited
+                continue
+    except (OSError, AttributeError):
+        return None
+    return frozenset(union) if union > own else None
+
+
+def run_on(cpus: frozenset[int] | None) -> None:
+    """Run the calling thread on ``cpus`` (a reader thread's initializer; None: as it is)."""
+    if cpus:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError:
+            return
 
 
 @dataclass(frozen=True)
@@ -67,3 +102,6 @@ class ReadSettings:
     chunk_bytes: int
     window: int
     """Reads in flight at once (on CUDA, one pinned staging buffer each)."""
+    cpus: frozenset[int] | None = None
+    """The CPUs the reader threads run on (:func:`process_cpus`); None: those of the
+    thread that starts them."""

@@ -29,7 +29,7 @@ from numpy.lib.stride_tricks import as_strided
 from rayload.errors import CheckpointError
 from rayload.loading.dtypes import torch_dtype
 from rayload.loading.plan import TensorShard
-from rayload.loading.reader.options import ReaderOptions, ReadSettings
+from rayload.loading.reader.options import ReaderOptions, ReadSettings, run_on
 from rayload.loading.reader.pages import prefault
 from rayload.loading.reader.readplan import Batch, Read, Segment, batch_reads, plan_reads
 from rayload.loading.reader.sinks import HostSink, Sink, StagedDeviceSink, Views, host_view
@@ -54,7 +54,12 @@ def run_reads(
     it."""
     total = 0
     files = (r.file for b in batches for r in b.reads)
-    pool = ThreadPoolExecutor(settings.threads, thread_name_prefix="rayload-read")
+    pool = ThreadPoolExecutor(
+        settings.threads,
+        thread_name_prefix="rayload-read",
+        initializer=run_on,
+        initargs=(settings.cpus,),
+    )
     with _open_ranges(files) as fds:
         inflight: deque[tuple[Batch, Views, Future[int]]] = deque()
         try:
