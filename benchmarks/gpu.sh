@@ -28,6 +28,11 @@
 #             files (is the page-cache copy or memory bandwidth the bound?)
 #   cold      the warm bench from the disk (evicted per file), COLD_SIZE_GB
 #   cpu       the CPU benchmark (TP=4, 1 GB, warm and cold) on this machine's cores
+#   vllm      inside vLLM on this GPU (benchmarks/vllm_load.py, TP 1, warm page cache):
+#             rayload's load format (each tensor straight into vLLM's CUDA parameters
+#             through a pinned bounce window) against vLLM's auto; needs VLLM_PYTHON, an
+#             interpreter with a CUDA build of vLLM (this script installs none: the device
+#             machine reaches no package registry), else skipped saying so
 # Results (every bench's .json/.md/.png) go to $RESULTS ($OUT or benchmarks/results/gpu).
 set -uo pipefail
 
@@ -149,6 +154,13 @@ stage cold 240 bench cold "$DEVICE" --size-gb "$COLD_SIZE_GB" --tp 1 --cache col
   --methods scratch fastsafetensors fastsafetensors_gdr fastsafetensors_whole safe_open_slice
 stage cpu 300 bench cpu cpu --size-gb "$CPU_SIZE_GB" --tp 4 --cache warm cold --repeat 3 --no-split-probe \
   --methods scratch converted safe_open_slice fastsafetensors_whole limit_alloc limit_parallel
+if [ -n "${VLLM_PYTHON:-}" ]; then
+  stage vllm 300 env PYTHONPATH="$REPO/src" "$VLLM_PYTHON" benchmarks/vllm_load.py --tp 1 \
+    --rounds "$REPEAT" --size-mb "${VLLM_SIZE_MB:-2000}" --formats rayload,rayload[staged],auto \
+    --workdir "$WORKDIR" --json "$RESULTS/vllm-load.json"
+else
+  echo; echo "== vllm: SKIPPED (VLLM_PYTHON unset: an interpreter with vLLM's CUDA build)"
+fi
 
 echo
 echo "== done in ${SECONDS} s; failed stages: ${FAILED[*]:-none}; results in $RESULTS"

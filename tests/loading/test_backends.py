@@ -559,6 +559,33 @@ def test_backend_loads_onto_cuda_bit_identical(
 
 @pytest.mark.gpu
 @gpu
+def test_load_rank_into_cuda_tensors_reads_straight_into_them(
+    mixed_dtype_checkpoint: Path, reference_shard: Reference
+) -> None:
+    """An engine's CUDA parameters as the destinations (vLLM's, model=): auto reads into
+    them through the pinned window, allocating nothing on the device beside them."""
+    from rayload.loading import load_rank
+    from rayload.loading.dtypes import torch_dtype
+
+    plan = plan_shards(mixed_dtype_checkpoint, 2).ranks[1]
+    into = {
+        s.name: torch.empty(s.shape, dtype=torch_dtype(s.dtype), device="cuda") for s in plan.shards
+    }
+    pointers = {name: t.data_ptr() for name, t in into.items()}
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    tensors, report = load_rank(mixed_dtype_checkpoint, 1, 2, "auto", "cuda", into=into)
+    assert torch.cuda.memory_allocated() == before
+    assert report.method.effective is LoadMethod.SCRATCH
+    for shard in plan.shards:
+        got = tensors[shard.name]
+        assert got.data_ptr() == pointers[shard.name], shard.name
+        want = reference_shard(mixed_dtype_checkpoint, 1, 2, shard.name, shard.split)
+        assert torch.equal(raw(got.cpu()), raw(want)), shard.name
+
+
+@pytest.mark.gpu
+@gpu
 def test_gdr_backend_on_cuda_reports_what_ran(
     mixed_dtype_checkpoint: Path, reference_shard: Reference, probe: EnvProbe
 ) -> None:

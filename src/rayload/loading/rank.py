@@ -27,14 +27,7 @@ from rayload.loading.peer import PeerSource
 from rayload.loading.plan import RankPlan, plan_shards
 from rayload.loading.probe import EnvProbe, probe_environment
 from rayload.loading.reader import ReaderOptions
-from rayload.loading.report import (
-    DESTINATIONS,
-    PLAN,
-    POST_LOAD,
-    RESOLVE,
-    PhaseTimer,
-    RankReport,
-)
+from rayload.loading.report import DESTINATIONS, PLAN, POST_LOAD, RESOLVE, PhaseTimer, RankReport
 from rayload.loading.resolve import LayoutInfo, Resolution, log_fallback, resolve_method
 from rayload.loading.rules import RulesArg
 from rayload.loading.storage import StorageCounters, storage_for
