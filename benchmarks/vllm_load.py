@@ -308,6 +308,7 @@ def load_once(
     rss_before = _reset_peak_rss()
     weights_peak = _peak_after(loader)
     before = _proc_io()
+    vm_before = _vmstat()
     started = time.perf_counter()
     try:
         with set_current_vllm_config(config):
@@ -321,6 +322,7 @@ def load_once(
         config.model_config.model_weights = own_weights
     load_model_s = time.perf_counter() - started
     after = _proc_io()
+    vm_after = _vmstat()
     peak_rss = _status_kb("VmHWM") * 1024
     gc.collect()
     record = last_load() if load_format == "rayload" else None
@@ -335,6 +337,7 @@ def load_once(
         "error": error,
         "rchar": after["rchar"] - before["rchar"],
         "read_bytes": after["read_bytes"] - before["read_bytes"],
+        "vmstat": {key: vm_after[key] - vm_before[key] for key in vm_before},
         "weights_s": None if error else weights_s,
         "load_model_s": None if error else load_model_s,
         "peak_rss_above": peak_rss - rss_before,
@@ -386,6 +389,17 @@ def _reset_peak_rss() -> int:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return _status_kb("VmRSS") * 1024
+
+
+_VMSTAT = ("thp_fault_alloc", "thp_fault_fallback", "pgfault")
+
+
+def _vmstat() -> dict[str, int]:
+    """The machine's counters of page faults and of transparent huge pages given to them
+    (``/proc/vmstat``: every process's, so only a sign of what one load did)."""
+    with open("/proc/vmstat") as f:
+        counts = dict(line.split() for line in f)
+    return {key: int(counts.get(key, 0)) for key in _VMSTAT}
 
 
 def _proc_io() -> dict[str, int]:

@@ -246,3 +246,49 @@ def test_a_tensor_that_does_not_fit_its_parameter_is_one_error_before_any_read(
         assert "'model.norm.weight' [256]" in message and "'model.norm' [300]" in message
         assert "nothing was read" in message
     assert torch.count_nonzero(param) == 0
+
+
+class Keeping:
+    """An engine's ``load_weights`` that keeps every tensor it was given."""
+
+    def __init__(self, engine: LoaderLlama) -> None:
+        self.engine = engine
+        self.kept: list[torch.Tensor] = []
+
+    def __call__(self, weights: object) -> set[str]:
+        items = list(weights)  # type: ignore[call-overload]
+        self.kept.extend(tensor for _, tensor in items)
+        return self.engine.load_weights(iter(items))
+
+
+def test_a_stand_in_the_engine_keeps_does_not_keep_its_model_alive(tiny_llama: Path) -> None:
+    """An engine may keep what its loaders were given (vLLM 0.32 keeps a stand-in after
+    the dry run): the run's record of each copy, views of the parameters, must not then
+    hold the model's memory once the model is gone."""
+    import gc
+    import warnings
+
+    engine = _engine(tiny_llama, 2, 0, torch.bfloat16)
+    keeping = Keeping(engine)
+    _, plan = plan_rank(tiny_llama, 0, 2)
+    destinations = find_destinations(
+        keeping,
+        plan,
+        device=CPU,
+        parameter_of=_parameter_of(engine),  # type: ignore[arg-type]
+    )
+    assert destinations.direct and keeping.kept
+    kept = keeping.kept
+    memory = {p.untyped_storage().data_ptr() for p in engine.parameters()}
+    del engine, destinations, keeping
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # gc.get_objects holds deprecated torch objects
+        alive = [
+            t
+            for t in gc.get_objects()
+            if isinstance(t, torch.Tensor)
+            and not t.is_meta
+            and t.untyped_storage().data_ptr() in memory
+        ]
+    assert kept and not alive, f"{len(alive)} views of the parameters outlived their model"

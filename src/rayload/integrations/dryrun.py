@@ -164,23 +164,26 @@ def find_destinations(
             )
 
     try:
-        loaded = load_weights(stand_ins())
-    except RayloadError:
-        raise
-    except Exception as exc:  # the engine's loader refused a tensor: name it
-        raise _refusal(exc, run, plan, parameter_of) from exc
-    direct: dict[str, torch.Tensor] = {}
-    fallbacks: dict[str, Fallback] = {}
-    unused: list[str] = []
-    with torch._C.DisableTorchFunctionSubclass():  # the stand-ins' geometry, as it is
-        for shard in plan.shards:
-            route = _route(shard, run, device, parameter_of)
-            if isinstance(route, Fallback):
-                fallbacks[shard.name] = route
-            elif route is None:
-                unused.append(shard.name)
-            else:
-                direct[shard.name] = route
+        try:
+            loaded = load_weights(stand_ins())
+        except RayloadError:
+            raise
+        except Exception as exc:  # the engine's loader refused a tensor: name it
+            raise _refusal(exc, run, plan, parameter_of) from exc
+        direct: dict[str, torch.Tensor] = {}
+        fallbacks: dict[str, Fallback] = {}
+        unused: list[str] = []
+        with torch._C.DisableTorchFunctionSubclass():  # the stand-ins' geometry, as it is
+            for shard in plan.shards:
+                route = _route(shard, run, device, parameter_of)
+                if isinstance(route, Fallback):
+                    fallbacks[shard.name] = route
+                elif route is None:
+                    unused.append(shard.name)
+                else:
+                    direct[shard.name] = route
+    finally:
+        run.forget()
     return Destinations(direct, fallbacks, tuple(unused), loaded)
 
 

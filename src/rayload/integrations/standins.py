@@ -39,6 +39,14 @@ class DryRun:
     current: str | None = None
     refused: torch.Tensor | None = None
 
+    def forget(self) -> None:
+        """Drop every view of a parameter the run recorded. The stand-ins keep their run,
+        and an engine may keep a stand-in after its dry run (vLLM 0.32 does): the views
+        would keep the whole model's memory alive after the model is gone."""
+        self.copies.clear()
+        self.later.clear()
+        self.refused = None
+
 
 _GEOMETRY = METADATA | {
     torch.Tensor.stride,
