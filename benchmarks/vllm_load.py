@@ -307,6 +307,7 @@ def load_once(
     _trim_heap()
     rss_before = _reset_peak_rss()
     weights_peak = _peak_after(loader)
+    load_weights_s = _time_load_weights(loader)
     before = _proc_io()
     vm_before = _vmstat()
     started = time.perf_counter()
@@ -340,6 +341,9 @@ def load_once(
         "vmstat": {key: vm_after[key] - vm_before[key] for key in vm_before},
         "weights_s": None if error else weights_s,
         "load_model_s": None if error else load_model_s,
+        "load_weights_s": None if error else load_weights_s.get("s"),
+        "requests": None if record is None else record.report.requests,
+        "retries": None if record is None else record.report.retries,
         "peak_rss_above": peak_rss - rss_before,
         "weights_peak_rss_above": weights_peak[0] - rss_before if weights_peak else None,
         "param_bytes": weights_peak[1] if weights_peak else None,
@@ -355,6 +359,24 @@ def load_once(
 def _status_kb(field: str) -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _time_load_weights(loader: Any) -> dict[str, float]:
+    """Time ``loader.load_weights`` (what ``load_model`` calls between building the model
+    and post-processing it) by the bench's own clock, the same for every format (vLLM's
+    ``runai_streamer`` logs no time of its own); the seconds land in the returned dict."""
+    timed: dict[str, float] = {}
+    load_weights = loader.load_weights
+
+    def timed_load_weights(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return load_weights(*args, **kwargs)
+        finally:
+            timed["s"] = time.perf_counter() - started
+
+    loader.load_weights = timed_load_weights
+    return timed
 
 
 def _trim_heap() -> None:
@@ -434,8 +456,9 @@ def _table(run: dict[str, Any]) -> str:
             for key in ("rchar", "read_bytes")
         ]
         alone = run["alone"].get(label)
+        not_measured = "(tp 1)" if tp == 1 else "(warm cache)"
         cells.append(
-            " / ".join(f"{w['read_bytes'] / 1e6:.1f}" for w in alone) if alone else "(tp 1)"
+            " / ".join(f"{w['read_bytes'] / 1e6:.1f}" for w in alone) if alone else not_measured
         )
         for key in ("weights_s", "load_model_s"):
             slowest = {s["round"]: max(w[key] for w in s["workers"]) for s in mine}

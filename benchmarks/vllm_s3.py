@@ -25,9 +25,11 @@ once untimed first, then a different format leading each round:
 * ``runai_streamer``: vLLM's loader for object storage, its ``model_weights`` the same
   ``s3://`` URL: each worker streams every file and vLLM's weight loaders keep its part.
 
-Per format: "Loading weights took" (the slowest worker; the median of the rounds' ratios
-to ``runai_streamer`` and every round's), the bytes the server sent per load over the
-checkpoint's bytes (the proxy's own count), rchar and peak RSS per worker.
+Per format: ``load_weights`` (the loader's ``load_weights`` call, timed by the bench the
+same way for both: vLLM's ``runai_streamer`` logs no time of its own; the slowest worker;
+the median of the rounds' ratios to ``runai_streamer`` and every round's), the bytes the
+server sent per load over the checkpoint's bytes (the proxy's own count; every round's),
+rchar and peak RSS per worker, and rayload's requests and retries per worker.
 """
 
 from __future__ import annotations
@@ -150,20 +152,22 @@ def _table(run: dict[str, Any]) -> str:
     tp = run["tp"]
     base = {s["round"]: _slowest(s) for s in samples if s["format"] == BASE}
     lines = [
-        "| format | Loading weights took (s), slowest worker | its time / runai_streamer's | "
+        "| format | load_weights (s), slowest worker | its time / runai_streamer's | "
         "bytes served per load / checkpoint | rchar per worker (MB) | peak RSS above start "
-        "per worker, to the end of the weights (MB) |",
-        "|---|---|---|---|---|---|",
+        "per worker, to the end of the weights (MB) | rayload's requests (retries) per "
+        "worker |",
+        "|---|---|---|---|---|---|---|",
     ]
     for label in FORMATS:
         mine = [s for s in samples if s["format"] == label]
         errors = {w["error"] for s in mine for w in s["workers"] if w["error"]}
         if errors:
-            lines.append(f"| {label} | fails: {' / '.join(sorted(errors))} | | | | |")
+            lines.append(f"| {label} | fails: {' / '.join(sorted(errors))} | | | | | |")
             continue
         slowest = {s["round"]: _slowest(s) for s in mine}
         ratios = [slowest[r] / base[r] for r in sorted(slowest)]
         served = statistics.median(s["served"] for s in mine) / total
+        every_served = ", ".join(f"{s['served'] / total:.3f}" for s in mine)
         rchar, rss = (
             " / ".join(
                 f"{statistics.median(s['workers'][r][key] for s in mine) / 1e6:.1f}"
@@ -171,16 +175,24 @@ def _table(run: dict[str, Any]) -> str:
             )
             for key in ("rchar", "weights_peak_rss_above")
         )
+        requests = " / ".join(
+            "n/a"
+            if mine[0]["workers"][r].get("requests") is None
+            else f"{statistics.median(s['workers'][r]['requests'] for s in mine):.0f} "
+            f"({sum(s['workers'][r]['retries'] for s in mine)} in all rounds)"
+            for r in range(tp)
+        )
         lines.append(
             f"| {label} | {statistics.median(slowest.values()):.2f} | "
             f"{statistics.median(ratios):.2f}x (rounds {', '.join(f'{x:.2f}' for x in ratios)}) "
-            f"| {served:.3f}x | {rchar} | {rss} |"
+            f"| {served:.3f}x (rounds {every_served}) "
+            f"| {rchar} | {rss} | {requests} |"
         )
     return "\n".join(lines)
 
 
 def _slowest(sample: dict[str, Any]) -> float:
-    return max(w["weights_s"] for w in sample["workers"])
+    return max(w["load_weights_s"] for w in sample["workers"])
 
 
 if __name__ == "__main__":
