@@ -303,6 +303,33 @@ def test_direct_off_and_a_method_of_its_own_memory_go_through_vllms_weight_loade
         assert probe["compare"]["differ"] == [] and probe["compare"]["nan_left"] == []
 
 
+def test_a_quantized_model_goes_through_vllms_weight_loaders_and_strict_refuses_it(
+    vllm_checkpoints: dict[str, Path],
+) -> None:
+    """vLLM quantizes or repacks a quantized model's parameters as its loaders fill them,
+    so none of them is a plain region to read into: every shard goes through the loaders
+    with the reason "quantized" (no dry run), and strict refuses that, naming a tensor and
+    why, before anything is read. (No quantization method runs on vLLM's CPU build here,
+    so the engine's ModelConfig is stood for by its one field the routing reads.)"""
+    from types import SimpleNamespace
+
+    from rayload.errors import MethodUnavailableError
+    from rayload.integrations.vllm import VllmLoadOptions, _destinations
+    from rayload.loading.rank import plan_rank
+
+    _, plan = plan_rank(vllm_checkpoints["llama_gqa"], 1, 2)
+    model = torch.nn.Linear(2, 2)  # never called: no dry run for a quantized model
+    config = SimpleNamespace(quantization="fp8")
+    routes = _destinations(model, config, plan, torch.device("cpu"), VllmLoadOptions())  # type: ignore[arg-type]
+    assert routes.direct == {} and routes.loader_bytes(plan) == {"quantized": plan.nbytes}
+    assert len(routes.through_loaders) == len(plan.shards) > 0
+    with pytest.raises(MethodUnavailableError) as refused:
+        routes.refuse_fallbacks(1)
+    message = str(refused.value)
+    assert message.startswith("rank 1: tensor ") and "a quantized parameter" in message
+    assert "the model is quantized (fp8)" in message and "strict mode forbids it" in message
+
+
 def test_a_tensor_rayload_cannot_plan_is_one_error_naming_it(
     vllm_checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:
