@@ -203,7 +203,13 @@ class _Run:
             self.process_group = None if specs[0] is None else specs[0].backend
             watch.phase = "finding peers"
             self.requests = _claim_replicas(
-                trace, self.sharing, self.groups, base, specs, deadline=deadline
+                trace,
+                self.sharing,
+                self.groups,
+                base,
+                specs,
+                deadline=deadline,
+                fanout=self.config.peer_fanout,
             )
             watch.phase = "loading the ranks"
             by_replica = load_ranks(
@@ -354,9 +360,11 @@ def _claim_replicas(
     group_specs: list[ProcessGroupSpec | None],
     *,
     deadline: float,
+    fanout: int,
 ) -> list[LoadRequest]:
     """Register each replica in the peer directory, in order, and give its ranks their
-    sources (span ``rayload.peers``): each replica's request."""
+    sources (span ``rayload.peers``; ``fanout``: :func:`choose_sources`): each replica's
+    request."""
     start = time.time_ns()
     several = len(groups) > 1
     earlier: list[ReplicaEntry] = []
@@ -366,7 +374,7 @@ def _claim_replicas(
         holders, entry = sharing.claim(new_replica_id(), group, earlier)
         earlier.append(entry)
         receives = LoadMethod(base.method) in RECEIVING_METHODS
-        sources = choose_sources(holders, entry) if receives else ()
+        sources = choose_sources(holders, entry, fanout=fanout) if receives else ()
         sourced += sum(s is not None for s in sources)
         requests.append(
             replace(
@@ -387,6 +395,7 @@ def _claim_replicas(
             "replicas": len(groups),
             "ranks_with_peer_source": sourced,
             "peer.directory": sharing.available,
+            "peer.fanout": fanout,
         },
     )
     return requests

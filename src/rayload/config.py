@@ -105,6 +105,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "model_role": lambda _, v: options.check_model_role(v),
     "replicas": lambda _, v: options.check_replicas(v),
     "peers": options.check_flag,
+    "peer_fanout": lambda _, v: options.check_peer_fanout(v),
     "shared_copy": options.check_flag,
 }
 """Each field's check, ``check(name, value) -> value``: rayload.options' where it has one
@@ -242,6 +243,15 @@ class LoadConfig(BaseModel):
             "replicas and offer them this one's (this load's replicas share regardless)"
         ),
     ] = True
+    peer_fanout: Annotated[
+        int,
+        Field(
+            description="replicas that a replica still loading forwards its bytes to as they "
+            "land, so that replicas started together load as one pipelined tree (1: a "
+            "chain; 0: receive only from replicas that have finished loading)"
+        ),
+        Flag(metavar="N"),
+    ] = options.PEER_FANOUT
     shared_copy: Annotated[
         bool,
         Field(

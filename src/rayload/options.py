@@ -38,6 +38,19 @@ def check_replicas(replicas: object) -> int:
     return _positive_int("replicas", replicas)
 
 
+PEER_FANOUT = 2
+"""How many replicas that start later one replica still loading forwards its bytes to, as
+they land (``LoadConfig.peer_fanout``): the replicas loading together form a tree of this
+fan-out (docs/design.md "Pipelined fan-out")."""
+
+
+def check_peer_fanout(fanout: object) -> int:
+    """``peer_fanout`` as an int; ConfigError unless it is an integer of 0 or more."""
+    if isinstance(fanout, bool) or not isinstance(fanout, int) or fanout < 0:
+        raise ConfigError(f"peer_fanout must be an integer of 0 or more, got {fanout!r}")
+    return fanout
+
+
 def check_flag(name: str, value: object) -> bool:
     """``value`` as a bool; ConfigError unless it is True or False."""
     if not isinstance(value, bool):

@@ -11,6 +11,7 @@ import torch
 
 from rayload.errors import MethodUnavailableError
 from rayload.loading import load_rank, plan_shards
+from rayload.loading.backends.peer import PIECES
 from rayload.loading.methods import LoadMethod
 from rayload.loading.peer import PeerUnavailable, receive_shards, source_label
 from rayload.loading.rank import reload_rank
@@ -88,8 +89,16 @@ def test_auto_with_a_peer_says_why_it_chose_it(llama: Path) -> None:
 
 def test_peer_read_phase_names_the_source(llama: Path) -> None:
     _, report = load_rank(llama, 1, TP, "peer", peer=_holder(llama))
-    assert [p.name for p in report.phases][2:5] == [READ, TO_DEVICE, SYNC]
+    assert [p.name for p in report.phases][2:6] == [READ, PIECES, TO_DEVICE, SYNC]
     [read] = [p for p in report.phases if p.name == READ]
+    [pieces] = [p for p in report.phases if p.name == PIECES]
+    # One piece per tensor from this source (it sends whole tensors), each timed.
+    assert pieces.attributes["source"] == read.attributes["source"]
+    shards = plan_shards(llama, TP).ranks[1].shards
+    assert pieces.attributes["pieces"] == sum(1 for s in shards if s.nbytes)
+    assert pieces.attributes["bytes"] == report.bytes_from_peers
+    assert len(pieces.attributes["piece_ms"]) == pieces.attributes["pieces"]
+    assert read.start_ns <= pieces.start_ns <= pieces.end_ns <= read.end_ns
     assert read.error is None
     assert read.attributes["source"] == "peer replica=3f2a rank=1 node=ab12cd34"
     assert read.attributes["peer.replica"] == "3f2a"
@@ -120,18 +129,25 @@ def test_other_methods_ignore_a_peer(llama: Path) -> None:
 
 
 FAULTS = {
-    "dies after 2 shards": ({"fail_after": 2}, "the holder's actor died after 2 shards"),
-    "dies before any shard": ({"fail_after": 0}, "died after 0 shards"),
+    # fault: (TensorPeer's faults, the cause in the reason, how many tensors it kept)
+    "dies after 2 shards": ({"fail_after": 2}, "the holder's actor died after 2 shards", 2),
+    "dies before any shard": ({"fail_after": 0}, "died after 0 shards", 0),
     "raises something else": (
         {"fail_after": 3, "error": ConnectionResetError("object store lost")},
         "ConnectionResetError: object store lost",
+        3,
     ),
     "holds a wrong length": (
         {"short": "model.norm.weight"},
         "its tensor 'model.norm.weight' has",
+        0,
     ),
-    "omits a tensor": ({"omit": "lm_head.weight"}, "without sending 1 of the"),
-    "sends an unknown tensor": ({"extra": "model.bogus"}, "'model.bogus', which rank 1's plan"),
+    "omits a tensor": ({"omit": "lm_head.weight"}, "without sending 1 of the", -1),
+    "sends an unknown tensor": (
+        {"extra": "model.bogus"},
+        "'model.bogus', which rank 1's plan",
+        0,  # its plan differs: nothing it sent is kept
+    ),
 }
 
 
@@ -139,7 +155,7 @@ FAULTS = {
 def test_failing_peer_falls_back_to_storage_with_the_same_bytes(
     mixed_dtype_checkpoint: Path, fault: str
 ) -> None:
-    faults, cause = FAULTS[fault]
+    faults, cause, kept = FAULTS[fault]
     path = mixed_dtype_checkpoint
     expected, storage_report = _storage(path)
     peer = _holder(path, **faults)
@@ -151,22 +167,35 @@ def test_failing_peer_falls_back_to_storage_with_the_same_bytes(
     assert reason is not None
     assert reason.startswith("replica 3f2a rank 1 on node ab12cd34 failed mid-transfer: ")
     assert cause in reason
-    assert reason.endswith("; read from storage instead")
-    assert report.bytes_read == storage_report.bytes_read
-    assert (report.bytes_from_peers, report.source) == (0, "storage")
+    shards = plan_shards(path, TP).ranks[1].shards
+    if kept == 0:  # all of it from storage
+        assert reason.endswith("; read from storage instead")
+        assert report.bytes_read == storage_report.bytes_read
+        assert (report.bytes_from_peers, report.source) == (0, "storage")
+        return
+    # What had arrived is kept: storage is read for the rest only, not from the start.
+    kept_shards = shards[:kept] if kept > 0 else shards[:-1]
+    got = sum(s.nbytes for s in kept_shards)
+    assert f"{len(kept_shards)} of {len(shards)} tensors ({got} bytes) had arrived" in reason
+    assert report.bytes_from_peers == got
+    # (the reader's bytes: its gathered runs of strided rows count whole)
+    assert sum(s.nbytes for s in shards) - got <= report.bytes_read < storage_report.bytes_read
+    assert report.source.startswith("peer replica=3f2a ")
 
 
 def test_failing_peer_spans_say_what_came_from_storage(llama: Path) -> None:
     _, report = load_rank(llama, 1, TP, "peer", peer=_holder(llama, fail_after=1))
     names = [p.name for p in report.phases]
-    assert names[2:] == [READ, READ, TO_DEVICE, SYNC, "rank.post_load"]
-    peer_read, storage_read, to_device = report.phases[2:5]
+    assert names[2:] == [READ, PIECES, READ, TO_DEVICE, TO_DEVICE, SYNC, "rank.post_load"]
+    peer_read, _, storage_read, storage_sink = report.phases[2:6]
     assert peer_read.error is None, "a peer failure is a fallback, not a failed rank"
     assert peer_read.attributes["source"].startswith("peer ")
     assert "died after 1 shards" in peer_read.attributes["peer.error"]
     assert storage_read.attributes["source"] == "storage"
-    assert to_device.attributes["source"] == "storage"
+    assert storage_sink.attributes["source"] == "storage"
     assert "peer.replica" not in storage_read.attributes
+    shards = plan_shards(llama, TP).ranks[1].shards
+    assert storage_read.attributes["bytes"] == sum(s.nbytes for s in shards[1:])
 
 
 def test_failing_peer_under_strict_raises_method_unavailable(llama: Path) -> None:
@@ -177,7 +206,7 @@ def test_failing_peer_under_strict_raises_method_unavailable(llama: Path) -> Non
 
 def test_fetch_that_raises_when_called_falls_back(llama: Path) -> None:
     class Refusing(TensorPeer):
-        def fetch(self, plan, destinations):  # type: ignore[no-untyped-def]
+        def fetch(self, plan, destinations, landed=None):  # type: ignore[no-untyped-def]
             raise PeerUnavailable("the holder replica was shut down")
 
     tensors, _ = _storage(llama)
@@ -191,9 +220,9 @@ def test_receive_shards_closes_the_peer_iterator_when_it_fails(llama: Path) -> N
     peer = _holder(llama, extra="model.bogus")
     inner = peer.fetch
 
-    def fetch(plan, destinations):  # type: ignore[no-untyped-def]
+    def fetch(plan, destinations, landed=None):  # type: ignore[no-untyped-def]
         try:
-            yield from inner(plan, destinations)
+            yield from inner(plan, destinations, landed)
         finally:
             closed.append(True)
 

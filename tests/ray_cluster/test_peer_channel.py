@@ -95,3 +95,101 @@ def test_reload_stops_a_send_under_way_and_the_receiver_fails() -> None:
     thread.join(timeout=60)
     assert not thread.is_alive()
     assert isinstance(outcome[0], RuntimeError), outcome[0]
+
+
+# --- streaming: a holder still loading forwards each piece as it lands ---------------------
+
+
+def _loading(
+    server: ShardServer, held: dict[str, torch.Tensor]
+) -> tuple[list[str], list[torch.Tensor]]:
+    """Start a load on ``server`` whose memory is empty buffers of ``held``'s sizes: the
+    names and buffers, published (nothing landed yet)."""
+    server.loading()
+    names = list(held)
+    buffers = [torch.zeros(n, dtype=torch.uint8) for n in _sizes(held).values()]
+    server.publish(names, buffers)
+    return names, buffers
+
+
+def _receiving(
+    server: ShardServer, held: dict[str, torch.Tensor], forward: ShardServer | None = None
+) -> tuple[threading.Thread, dict[str, torch.Tensor], list[tuple[float, str]], list[object]]:
+    """A streaming receiver of ``server`` in a thread (forwarding into ``forward``'s
+    published memory when given): its thread, memory, (time, name) arrivals, outcome."""
+    import time
+
+    channel = server.open(HOST, 5.0, _sizes(held), stream=True)
+    if forward is not None:
+        names, buffers = _loading(forward, held)
+        into = dict(zip(names, buffers, strict=True))
+        arrivals = forward._arrivals
+        assert arrivals is not None
+        landed = arrivals.landed_name
+    else:
+        into = {name: torch.zeros(n, dtype=torch.uint8) for name, n in _sizes(held).items()}
+        landed = None
+    seen: list[tuple[float, str]] = []
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            for name in receive(channel, HOST, into, landed):
+                seen.append((time.monotonic(), name))
+            outcome.append("done")
+        except BaseException as exc:  # the outcome is what is checked
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, into, seen, outcome
+
+
+def test_a_holder_still_loading_sends_each_piece_as_it_lands_and_the_next_forwards_it() -> None:
+    import time
+
+    held = _held()
+    first, second = ShardServer(bucket_bytes=64 << 10), ShardServer(bucket_bytes=64 << 10)
+    names, buffers = _loading(first, held)
+    # The second replica receives from the first while the first loads, and forwards to a
+    # third as it receives: a chain of three.
+    t2, into2, _seen2, out2 = _receiving(first, held, forward=second)
+    t3, into3, seen3, out3 = _receiving(second, held)
+    arrivals = first._arrivals
+    assert arrivals is not None
+    source = {n: t.contiguous().reshape(-1).view(torch.uint8) for n, t in held.items()}
+    landed_at = {}
+    for k, name in enumerate(names):  # "storage": one tensor every 0.2 s, half then half
+        size = arrivals.sizes[k]
+        for start, stop in ((0, size // 2), (size // 2, size)):
+            buffers[k][start:stop] = source[name][start:stop]
+            landed_at[name] = time.monotonic()  # (just before its last bytes land)
+            arrivals.landed(k, start, stop - start)
+        time.sleep(0.2)
+    t2.join(timeout=60)
+    t3.join(timeout=60)
+    assert out2 == ["done"] and out3 == ["done"], (out2, out3)
+    for name, tensor in held.items():
+        assert bytes(into2[name].numpy().tobytes()) == _bytes(tensor), name
+        assert bytes(into3[name].numpy().tobytes()) == _bytes(tensor), name
+    # Pipelined: the third had the first tensor long before the first's load ended.
+    got3 = {name: at for at, name in seen3}
+    assert got3["embed"] < landed_at["lm_head"] - 0.5
+    assert all(got3[n] >= landed_at[n] for n in names if held[n].numel()), "not before it landed"
+
+
+def test_a_holder_whose_load_fails_mid_stream_ends_its_receivers_with_what_had_landed() -> None:
+    held = _held()
+    server = ShardServer(bucket_bytes=64 << 10)
+    _names, buffers = _loading(server, held)
+    thread, into, seen, outcome = _receiving(server, held)
+    arrivals = server._arrivals
+    assert arrivals is not None
+    buffers[0][:] = held["embed"].reshape(-1).view(torch.uint8)
+    arrivals.landed(0, 0, arrivals.sizes[0])
+    server.failed("rank 0: disk gone")
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert isinstance(outcome[0], RuntimeError), outcome[0]  # the group dropped
+    assert [name for _, name in seen] == ["empty", "embed"]
+    assert bytes(into["embed"].numpy().tobytes()) == _bytes(held["embed"])

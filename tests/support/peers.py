@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rayload.loading.peer import PeerUnavailable, check_sizes
+from rayload.loading.peer import Landed, PeerUnavailable, check_sizes
 from rayload.loading.plan import RankPlan
 
 
@@ -40,7 +40,9 @@ class TensorPeer:
     def describe(self) -> str:
         return f"replica {self.replica} rank {self.rank} on node {self.node_id}"
 
-    def fetch(self, plan: RankPlan, destinations: Sequence[torch.Tensor]) -> Iterator[str]:
+    def fetch(
+        self, plan: RankPlan, destinations: Sequence[torch.Tensor], landed: Landed | None = None
+    ) -> Iterator[str]:
         sizes = {name: t.numel() * t.element_size() for name, t in self.tensors.items()}
         if self.short is not None:
             sizes[self.short] -= 1

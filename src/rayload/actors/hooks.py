@@ -20,7 +20,9 @@ cluster of unlike nodes.
 ``peer_pause_s`` makes a rank, once it holds its shards, pause each send to a receiver
 after the first bucket, e.g. ``{"0": 5}``, so a test can stop the holder mid-transfer;
 ``peer_bucket_bytes`` makes the loaded ranks pack their tensors into buckets of that many
-bytes (several buckets from a small checkpoint).
+bytes (several buckets from a small checkpoint); ``peer_link_mbps`` paces every rank's
+sends to that many MB/s each, as links of that speed between machines would (the peer
+benchmarks emulate a cluster's network on one host with it: label such figures so).
 
 Besides the load phases (``rank.resolve`` ... ``rank.post_load``), ``phase`` may be
 ``actor.init``: the fault then fires in the actor's ``__init__`` (a rank that never starts).
@@ -82,6 +84,7 @@ class TestHooks(BaseModel):
     probe_overrides: dict[int, dict[str, Any]] = {}
     peer_pause_s: dict[int, float] = {}
     peer_bucket_bytes: int | None = None
+    peer_link_mbps: float | None = None
 
     @field_validator("probe_overrides")
     @classmethod

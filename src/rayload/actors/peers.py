@@ -41,7 +41,8 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 
-from rayload.loading.peer import PeerUnavailable, check_sizes
+from rayload.loading.arrivals import Arrivals
+from rayload.loading.peer import Landed, PeerUnavailable, check_sizes
 from rayload.loading.plan import RankPlan
 
 log = logging.getLogger(__name__)
@@ -77,13 +78,15 @@ _HOLDER, _RECEIVER = 0, 1
 class PeerRef:
     """Where a rank gets its shards from: rank ``rank`` of replica ``replica``, whose actor
     is ``actor``, on node ``node_id``. ``loading`` says the holder had not finished its
-    own load when it was chosen (the receiver then waits for it)."""
+    own load when it was chosen; ``stream`` that the receiver takes each piece as it
+    lands there (pipelined), else it waits for the holder's load to finish."""
 
     replica: str
     rank: int
     node_id: str | None
     actor: Any
     loading: bool = False
+    stream: bool = False
 
     def describe(self) -> str:
         node = (self.node_id or "unknown")[:12]
@@ -154,21 +157,36 @@ class _Superseded(Exception):
 
 
 class ShardServer:
-    """A holder rank's serving state: waits for the load, opens a channel per receiver and
-    sends from a thread of its own. Thread-safe (the actor's peer methods run in a pool).
+    """A rank's serving state: follows its load's bytes as they land
+    (:meth:`publish`), opens a channel per receiver and sends from a thread of its own.
+    Thread-safe (the actor's peer methods run in a pool).
 
-    ``started`` counts the sends whose first bucket has left (what :meth:`peer_ping`
-    reports). ``pause_s`` and ``bucket_bytes`` are TEST HOOKS: the first pauses each send
-    after its first bucket, so a test can stop the holder mid-transfer; the second sets the
-    bucket size (several buckets from a small checkpoint)."""
+    A receiver that streams (:attr:`PeerRef.stream`) gets its channel as soon as this
+    rank's load knows its tensors, and each piece as soon as its bytes have landed here,
+    from storage or from this rank's own upstream: the pipelined fan-out. Otherwise it
+    gets its channel once the load has finished.
 
-    def __init__(self, *, pause_s: float = 0.0, bucket_bytes: int | None = None) -> None:
+    ``started`` counts the sends whose first piece has left (what :meth:`peer_ping`
+    reports). ``pause_s``, ``bucket_bytes`` and ``link_mbps`` are TEST HOOKS: the first
+    pauses each send after its first piece, so a test can stop the holder mid-transfer;
+    the second sets the piece size (several pieces from a small checkpoint); the third
+    paces each send to that many MB/s, as a network link of that speed would (the peer
+    benchmarks emulate a cluster's links on one host with it)."""
+
+    def __init__(
+        self,
+        *,
+        pause_s: float = 0.0,
+        bucket_bytes: int | None = None,
+        link_mbps: float | None = None,
+    ) -> None:
         self._pause_s = pause_s
         self._bucket_bytes = bucket_bytes or BUCKET_BYTES
+        self._link_mbps = link_mbps
         self._lock = threading.Lock()
-        self._settled = threading.Event()
-        self._tensors: Mapping[str, torch.Tensor] | None = None
-        self._sizes: dict[str, int] = {}
+        self._changed = threading.Condition(self._lock)
+        self._settled = False
+        self._arrivals: Arrivals | None = None
         self._failure: str | None = None
         self._generation = 0
         self._senders: list[threading.Thread] = []
@@ -177,40 +195,67 @@ class ShardServer:
 
     def loading(self) -> None:
         """The rank's tensors are about to be (re)written: new receivers wait, and sends
-        under way stop at their next bucket (their receivers fall back to storage); returns
+        under way stop at their next piece (their receivers fall back to storage); returns
         once they have stopped, so no send reads a tensor while it is rewritten."""
         with self._lock:
-            self._settled.clear()
-            self._tensors, self._failure, self._copy, self._sizes = None, None, None, {}
+            if self._arrivals is not None:
+                self._arrivals.end("this rank's tensors are being rewritten (a reload)")
+            self._settled = False
+            self._arrivals, self._failure, self._copy = None, None, None
             self._generation += 1
             senders, self._senders = self._senders, []
         for sender in senders:
-            sender.join(TRANSFER_TIMEOUT_S)  # one bucket at most, bounded by the group
+            sender.join(TRANSFER_TIMEOUT_S)  # one piece at most, bounded by the group
+
+    def publish(self, names: Sequence[str], buffers: Sequence[torch.Tensor]) -> Arrivals:
+        """This load's tensors ``names`` are being written into ``buffers`` (1-D uint8):
+        the :class:`Arrivals` its reader marks, which streaming receivers' senders follow
+        (a :data:`~rayload.loading.arrivals.Publish`). Memory published before and not
+        wholly written (a peer that failed, its bytes read again) is given up: its
+        senders stop."""
+        arrivals = Arrivals(names, buffers)
+        with self._changed:
+            self._give_up("this rank read its shards again from storage")
+            self._arrivals = arrivals
+            self._changed.notify_all()
+        return arrivals
 
     def loaded(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        with self._lock:
-            self._tensors, self._failure = dict(tensors), None
-            self._sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
-            self._settled.set()
+        """The load finished with ``tensors``: receivers from now on are sent these (a
+        sender under way keeps following the memory it was given, every byte of which
+        has landed)."""
+        with self._changed:
+            self._give_up("this rank's load ended without writing them")
+            arrivals = Arrivals(list(tensors), list(tensors.values()))
+            arrivals.complete()
+            self._arrivals, self._failure, self._settled = arrivals, None, True
+            self._changed.notify_all()
+
+    def _give_up(self, why: str) -> None:
+        """End the current arrivals unless every byte of them has landed (lock held)."""
+        if self._arrivals is not None and self._arrivals.missing():
+            self._arrivals.end(why)
 
     def failed(self, why: str) -> None:
-        with self._lock:
-            self._tensors, self._failure, self._copy = None, why, None
-            self._settled.set()
+        with self._changed:
+            if self._arrivals is not None:
+                self._arrivals.end(f"its own load failed: {why}")
+            self._arrivals, self._failure, self._copy = None, why, None
+            self._settled = True
+            self._changed.notify_all()
 
     def share(self) -> None:
         """Put a copy of the loaded tensors into this node's object store (packed into
         objects of about :data:`SHARED_OBJECT_BYTES`; the actor owns them), for receivers on
         this node: :meth:`shared_copy`. A reload drops it (:meth:`loading`)."""
         with self._lock:
-            tensors, sizes, generation = self._tensors, self._sizes, self._generation
-        if tensors is None:
+            arrivals, generation = self._arrivals, self._generation
+        if arrivals is None or not self._settled:
             return
-        names, values = list(tensors), list(tensors.values())
         runs, refs = [], []
-        for bucket in buckets(list(sizes.values()), SHARED_OBJECT_BYTES):
-            runs.append(tuple(names[k] for k in bucket))
-            refs.append(ray.put([_flat_bytes(values[k]).numpy() for k in bucket]))
+        for bucket in buckets(arrivals.sizes, SHARED_OBJECT_BYTES):
+            runs.append(tuple(arrivals.names[k] for k in bucket))
+            refs.append(ray.put([_flat_bytes(arrivals.buffers[k]).numpy() for k in bucket]))
         with self._lock:
             if self._generation == generation:
                 self._copy = SharedCopy(tuple(runs), tuple(refs))
@@ -219,36 +264,43 @@ class ShardServer:
         """The shared copy, when there is one of exactly the shards of ``want`` (name ->
         bytes); None otherwise (the receiver then opens a channel)."""
         with self._lock:
-            copy, sizes = self._copy, self._sizes
-        if copy is None:
+            copy, arrivals = self._copy, self._arrivals
+        if copy is None or arrivals is None:
             return None
-        check_sizes(want, sizes)
+        check_sizes(want, arrivals.nbytes)
         return copy
 
-    def open(self, host: str, wait_s: float, want: Mapping[str, int]) -> PeerChannel:
+    def open(
+        self, host: str, wait_s: float, want: Mapping[str, int], *, stream: bool = False
+    ) -> PeerChannel:
         """A channel to this rank's shards for a receiver whose plan has the tensors of
-        ``want`` (name -> bytes), once this rank's load has finished (at most ``wait_s``
-        seconds of waiting), its store on ``host``; the sending starts when the receiver
-        joins. Raises PeerUnavailable when the load failed or is still running, or when
-        this rank holds other shards than ``want``."""
+        ``want`` (name -> bytes), its store on ``host``: once this rank's load has
+        finished, or (``stream``) once it knows its tensors, each piece then sent as it
+        lands (at most ``wait_s`` seconds of waiting either way); the sending starts when
+        the receiver joins. Raises PeerUnavailable when the load failed or is still
+        running, or when this rank holds other shards than ``want``."""
         import torch.distributed as dist
 
-        if not self._settled.wait(max(wait_s, 0.0)):
-            raise PeerUnavailable(f"it was still loading after {wait_s:.0f} s")
-        with self._lock:
-            if self._tensors is None:
+        deadline = time.monotonic() + max(wait_s, 0.0)
+        with self._changed:
+            while not self._settled and not (stream and self._arrivals is not None):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerUnavailable(f"it was still loading after {wait_s:.0f} s")
+                self._changed.wait(left)
+            if self._arrivals is None:
                 raise PeerUnavailable(f"its own load failed: {self._failure or 'no weights'}")
-            tensors, sizes, generation = self._tensors, self._sizes, self._generation
-        check_sizes(want, sizes)
+            arrivals, generation = self._arrivals, self._generation
+        check_sizes(want, arrivals.nbytes)
         store = dist.TCPStore(
             host, 0, 2, True, timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False
         )
         channel = PeerChannel(
-            host, int(store.port), tuple(sizes), tuple(sizes.values()), self._bucket_bytes
+            host, int(store.port), arrivals.names, arrivals.sizes, self._bucket_bytes
         )
         sender = threading.Thread(
             target=self._send,
-            args=(store, host, list(tensors.values()), channel.sizes, generation),
+            args=(store, host, arrivals, generation),
             name=f"rayload-peer-send-{channel.port}",
             daemon=True,
         )
@@ -257,24 +309,23 @@ class ShardServer:
         sender.start()
         return channel
 
-    def _send(
-        self,
-        store: Any,
-        host: str,
-        tensors: Sequence[torch.Tensor],
-        sizes: Sequence[int],
-        generation: int,
-    ) -> None:
-        """The sender thread: join the group, broadcast every bucket, leave. A receiver
-        that never joins or goes away, or a reload (:meth:`loading`), ends it with a log
-        line; ending it drops the group, which the receiver sees as the peer failing."""
+    def _send(self, store: Any, host: str, arrivals: Arrivals, generation: int) -> None:
+        """The sender thread: join the group, broadcast every piece once its bytes have
+        landed, leave. A receiver that never joins or goes away, this rank's load failing
+        or stalling, or a reload (:meth:`loading`), ends it with a log line; ending it
+        drops the group, which the receiver sees as the peer failing."""
         group = None
+        link_free = 0.0
         try:
             group = _gloo_group(store, _HOLDER, host, TRANSFER_TIMEOUT_S)
-            for i, bucket in enumerate(buckets(sizes, self._bucket_bytes)):
+            for i, piece in enumerate(pieces(arrivals.sizes, self._bucket_bytes)):
+                for index, _, stop in piece:
+                    arrivals.wait(index, stop, TRANSFER_TIMEOUT_S)
                 if self._generation != generation:
                     raise _Superseded("this rank's tensors are being rewritten (a reload)")
-                parts = [_flat_bytes(tensors[k]) for k in bucket]
+                parts = [_byte_range(arrivals.buffers[k], a, b) for k, a, b in piece]
+                if self._link_mbps:
+                    link_free = _paced(link_free, sum(b - a for _, a, b in piece), self._link_mbps)
                 _broadcast(group, parts[0] if len(parts) == 1 else torch.cat(parts))
                 if i == 0:
                     with self._lock:
@@ -287,6 +338,26 @@ class ShardServer:
             # Dropping the group closes its connection: a receiver still waiting fails at
             # once (abort() and shutdown() leave a gloo pair open).
             del group
+
+
+def _paced(link_free: float, nbytes: int, mbps: float) -> float:
+    """Wait as a link of ``mbps`` MB/s would before ``nbytes`` have crossed it, the link
+    busy until ``link_free`` (``time.monotonic()``) with what went before; returns when
+    it is free again."""
+    now = time.monotonic()
+    free = max(link_free, now) + nbytes / (mbps * 1e6)
+    time.sleep(max(free - now, 0.0))
+    return free
+
+
+def _byte_range(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Bytes ``start .. stop`` of ``tensor`` as a 1-D uint8 CPU tensor (a view of a
+    contiguous CPU tensor; a device tensor's range is copied to the host alone)."""
+    data = tensor.detach()
+    if not data.is_contiguous():
+        data = data.contiguous()
+    part = data.reshape(-1).view(torch.uint8)[start:stop]
+    return part if part.device.type == "cpu" else part.to("cpu")
 
 
 class RayPeerSource:
@@ -308,7 +379,12 @@ class RayPeerSource:
     def describe(self) -> str:
         return self.ref.describe()
 
-    def fetch(self, plan: RankPlan, destinations: Sequence[torch.Tensor]) -> Iterator[str]:
+    def fetch(
+        self,
+        plan: RankPlan,
+        destinations: Sequence[torch.Tensor],
+        landed: Landed | None = None,
+    ) -> Iterator[str]:
         want = {shard.name: shard.nbytes for shard in plan.shards}
         into = {shard.name: d for shard, d in zip(plan.shards, destinations, strict=True)}
         same_node = self.node_id is not None and self.node_id == self._own_node
@@ -320,10 +396,10 @@ class RayPeerSource:
             yield from _copy_out(copy, into)
             return
         self.via = "gloo"
-        yield from receive(self._channel(want), self._host, into)
+        yield from receive(self._channel(want), self._host, into, landed)
 
     def _channel(self, want: Mapping[str, int]) -> PeerChannel:
-        ref = self.ref.actor.open_channel.remote(self._wait_s, want)
+        ref = self.ref.actor.open_channel.remote(self._wait_s, want, self.ref.stream)
         channel: PeerChannel = _get(ref, self._wait_s + TRANSFER_TIMEOUT_S)
         return channel
 
@@ -353,26 +429,56 @@ def _copy_out(copy: SharedCopy, into: Mapping[str, torch.Tensor]) -> Iterator[st
         yield from names
 
 
-def receive(channel: PeerChannel, host: str, into: Mapping[str, torch.Tensor]) -> Iterator[str]:
+def receive(
+    channel: PeerChannel,
+    host: str,
+    into: Mapping[str, torch.Tensor],
+    landed: Landed | None = None,
+) -> Iterator[str]:
     """Join ``channel``'s group as the receiver (this node's address ``host``) and receive
-    each tensor into ``into[name]`` (1-D uint8, its byte count), yielding its name once
-    its bytes are in place (an empty tensor's at once: nothing is sent for it)."""
+    each piece into ``into[name]`` (1-D uint8, its byte count), telling ``landed(name,
+    offset, length)`` of each range once its bytes are in place and yielding a tensor's
+    name once all of them are (an empty tensor's at once: nothing is sent for it)."""
     import torch.distributed as dist
 
     store = dist.TCPStore(channel.host, channel.port, 2, False, timedelta(seconds=JOIN_TIMEOUT_S))
     group = _gloo_group(store, _RECEIVER, host, TRANSFER_TIMEOUT_S)
     yield from (name for name, size in zip(channel.names, channel.sizes, strict=True) if not size)
-    for bucket in buckets(channel.sizes, channel.bucket_bytes):
-        names = [channel.names[k] for k in bucket]
-        if len(names) == 1:
-            _broadcast(group, into[names[0]])
+    for piece in pieces(channel.sizes, channel.bucket_bytes):
+        if len(piece) == 1:
+            [(k, start, stop)] = piece
+            _broadcast(group, into[channel.names[k]][start:stop])
         else:
-            sizes = [channel.sizes[k] for k in bucket]
-            packed = torch.empty(sum(sizes), dtype=torch.uint8)
+            lengths = [b - a for _, a, b in piece]
+            packed = torch.empty(sum(lengths), dtype=torch.uint8)
             _broadcast(group, packed)
-            for name, part in zip(names, packed.split(sizes), strict=True):
-                into[name].copy_(part)
-        yield from names
+            for (k, _, _), part in zip(piece, packed.split(lengths), strict=True):
+                into[channel.names[k]].copy_(part)
+        for k, start, stop in piece:
+            name = channel.names[k]
+            if landed is not None:
+                landed(name, start, stop - start)
+            if stop == channel.sizes[k]:
+                yield name
+
+
+Piece = tuple[tuple[int, int, int], ...]
+"""One broadcast of a channel: ``(tensor index, start, stop)`` byte ranges, sent together."""
+
+
+def pieces(sizes: Sequence[int], limit: int = BUCKET_BYTES) -> list[Piece]:
+    """The broadcasts of a channel, in order: small tensors packed whole as
+    :func:`buckets` packs them, and each tensor of ``limit`` bytes or more alone, in
+    ranges of ``limit`` bytes (so a receiver can forward the first range of a large
+    tensor before the rest has come). The holder and the receiver compute the same."""
+    out: list[Piece] = []
+    for run in buckets(sizes, limit):
+        if len(run) == 1 and sizes[run[0]] >= limit:
+            k, size = run[0], sizes[run[0]]
+            out.extend(((k, a, min(a + limit, size)),) for a in range(0, size, limit))
+        else:
+            out.append(tuple((k, 0, sizes[k]) for k in run))
+    return out
 
 
 def buckets(sizes: Sequence[int], limit: int = BUCKET_BYTES) -> list[list[int]]:

@@ -105,12 +105,13 @@ log = logging.getLogger(__name__)
 class RankActor:
     """Rank ``rank``'s actor.
 
-    ``clock_skew_ns``, ``fault``, ``probe_overrides``, ``peer_pause_s`` and
-    ``peer_bucket_bytes`` are TEST HOOKS: the first shifts every time the actor reports
-    (phases, spans, :meth:`clock`) to model another node's clock; the second makes this
-    rank fail on purpose; the third changes what this rank's environment probe reports;
-    the fourth pauses this rank's sending to a receiver after its first bucket; the fifth
-    sets the size of those buckets (see :mod:`rayload.actors.hooks`).
+    ``clock_skew_ns``, ``fault``, ``probe_overrides``, ``peer_pause_s``,
+    ``peer_bucket_bytes`` and ``peer_link_mbps`` are TEST HOOKS: the first shifts every
+    time the actor reports (phases, spans, :meth:`clock`) to model another node's clock;
+    the second makes this rank fail on purpose; the third changes what this rank's
+    environment probe reports; the fourth pauses this rank's sending to a receiver after
+    its first piece; the fifth sets the size of those pieces; the sixth paces its sends
+    as a link of that speed (see :mod:`rayload.actors.hooks`).
 
     Once loaded, the rank is a *holder* for other replicas: :meth:`open_channel`,
     :meth:`shared_copy` and :meth:`peer_ping` run in the actor's ``peer`` concurrency
@@ -127,9 +128,12 @@ class RankActor:
         probe_overrides: dict[str, Any] | None = None,
         peer_pause_s: float = 0.0,
         peer_bucket_bytes: int | None = None,
+        peer_link_mbps: float | None = None,
     ) -> None:
         self._skew_ns = clock_skew_ns
-        self._shards = ShardServer(pause_s=peer_pause_s, bucket_bytes=peer_bucket_bytes)
+        self._shards = ShardServer(
+            pause_s=peer_pause_s, bucket_bytes=peer_bucket_bytes, link_mbps=peer_link_mbps
+        )
         self._replica = ""
         self._probe_overrides = probe_overrides
         init_start_ns = self.clock()
@@ -256,6 +260,7 @@ class RankActor:
                     else model_destinations(
                         module, str(request.method), device, peer=peer is not None
                     ),
+                    publish=self._shards.publish,
                 )
             report = _with_node(report, self._node_id, request.replica_index)
             self._report = report
@@ -288,11 +293,14 @@ class RankActor:
         )
 
     @ray.method(concurrency_group=PEER_GROUP)
-    def open_channel(self, wait_s: float, want: dict[str, int]) -> PeerChannel:
+    def open_channel(
+        self, wait_s: float, want: dict[str, int], stream: bool = False
+    ) -> PeerChannel:
         """A channel that sends this rank's shards to the same rank of another replica,
         whose plan wants ``want`` (name -> bytes). Waits at most ``wait_s`` for a load still
-        running; raises PeerUnavailable when it failed or the shards differ."""
-        return self._shards.open(ray.util.get_node_ip_address(), wait_s, want)
+        running (``stream``: only until it knows its tensors, then sends each piece as it
+        lands); raises PeerUnavailable when it failed or the shards differ."""
+        return self._shards.open(ray.util.get_node_ip_address(), wait_s, want, stream=stream)
 
     @ray.method(concurrency_group=PEER_GROUP)
     def shared_copy(self, want: dict[str, int]) -> SharedCopy | None:

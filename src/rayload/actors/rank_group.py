@@ -123,6 +123,7 @@ class RankActorGroup:
                 probe_overrides=self.hooks.probe_overrides.get(rank),
                 peer_pause_s=self.hooks.peer_pause_s.get(rank, 0.0),
                 peer_bucket_bytes=self.hooks.peer_bucket_bytes,
+                peer_link_mbps=self.hooks.peer_link_mbps,
             )
             self.actors.append(actor)
             waiting[actor.ready.remote()] = rank

@@ -39,6 +39,7 @@ from rayload.actors.directory import (
 from rayload.actors.peers import PeerRef
 from rayload.actors.rank_group import RankActorGroup
 from rayload.loading.methods import LoadMethod
+from rayload.options import PEER_FANOUT
 
 log = logging.getLogger(__name__)
 
@@ -172,13 +173,21 @@ class PeerSharing:
 
 
 def choose_sources(
-    holders: Sequence[ReplicaEntry], entry: ReplicaEntry
+    holders: Sequence[ReplicaEntry], entry: ReplicaEntry, *, fanout: int = PEER_FANOUT
 ) -> tuple[PeerRef | None, ...]:
-    """Each rank's source among ``holders`` (empty: every rank reads storage)."""
+    """Each rank's source among ``holders`` (empty: every rank reads storage).
+
+    A holder that has finished loading is preferred (one on the rank's node first, then
+    spread by receiver and rank). Else, with ``fanout`` > 0, the replicas still loading
+    are a tree in the order they registered (the first reads storage): the new one is
+    its next node, receiving from its parent each piece as it lands there (``stream``);
+    with ``fanout`` 0, from the oldest once it has finished (no pipeline)."""
     if not holders:
         return ()
     sources: list[PeerRef | None] = []
     spread = zlib.crc32(entry.replica.encode())
+    loading = [i for i, h in enumerate(holders) if h.state != "loaded"]
+    parent = loading[(len(loading) - 1) // fanout] if fanout > 0 and loading else None
     for rank in range(entry.tp_size):
 
         def preference(i: int, rank: int = rank) -> tuple[bool, bool, int]:
@@ -186,9 +195,10 @@ def choose_sources(
             loaded = holder.state == "loaded"
             same_node = holder.nodes[rank] is not None and holder.nodes[rank] == entry.nodes[rank]
             # Loaded holders: spread by receiver and rank. Holders still loading: the
-            # oldest, which reads storage; a later one would be receiving itself.
-            order = (i + rank + spread) % len(holders) if loaded else i
-            return not loaded, not same_node, order
+            # tree's parent, else the oldest, which reads storage.
+            if loaded:
+                return False, not same_node, (i + rank + spread) % len(holders)
+            return True, False, 0 if i == parent else 1 + i
 
         holder = holders[min(range(len(holders)), key=preference)]
         sources.append(
@@ -198,6 +208,7 @@ def choose_sources(
                 node_id=holder.nodes[rank],
                 actor=holder.actors[rank],
                 loading=holder.state != "loaded",
+                stream=fanout > 0,
             )
         )
     return tuple(sources)

@@ -6,7 +6,8 @@ replica, so the new one reads nothing from storage. This module is the Ray-free 
 
 * :class:`PeerSource`, what the transport (``rayload.actors``) implements: who holds the
   bytes, and a ``fetch`` that writes every shard of a plan into given memory;
-* :class:`PeerUnavailable`, how a source says it could not give the bytes;
+* :class:`PeerUnavailable`, how a source says it could not give the bytes (and
+  :class:`PeerMismatch`, that what it gave is not this plan's);
 * :func:`receive_shards`, the loop the ``peer`` backend runs: the source writes each
   tensor into the memory the backend allocated for it, and every planned tensor must
   arrive exactly once; any failure of the source becomes :class:`PeerUnavailable`, so the
@@ -17,17 +18,26 @@ replica, so the new one reads nothing from storage. This module is the Ray-free 
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from rayload.loading.plan import RankPlan
 
+Landed = Callable[[str, int, int], None]
+"""``landed(name, offset, length)``: bytes ``offset .. offset + length`` of tensor
+``name`` are in place (what a receiver that forwards while it receives follows)."""
+
 
 class PeerUnavailable(Exception):
     """The peer could not give the bytes: it is gone, failed, or gave wrong shards. The
     message says why; the ``peer`` backend then reads storage instead."""
+
+
+class PeerMismatch(PeerUnavailable):
+    """The peer sent what this rank's plan does not hold (a foreign tensor, one twice):
+    its plan differs, so none of what it sent is kept."""
 
 
 class PeerSource(Protocol):
@@ -47,11 +57,14 @@ class PeerSource(Protocol):
         """Who the peer is, for messages: e.g. ``"replica 3f2a rank 1 on node ab12..."``."""
         ...
 
-    def fetch(self, plan: RankPlan, destinations: Sequence[torch.Tensor]) -> Iterator[str]:
+    def fetch(
+        self, plan: RankPlan, destinations: Sequence[torch.Tensor], landed: Landed | None = None
+    ) -> Iterator[str]:
         """Write every shard of ``plan`` into its destination (``destinations[i]`` is shard
         ``i``'s memory: a 1-D uint8 CPU tensor of exactly its byte count, to be filled with
         its bytes in row-major order), yielding each tensor's name once its bytes are in
-        place, in any order.
+        place, in any order; a source that receives a tensor in parts may tell ``landed``
+        of each part as it comes (a tensor's name, yielded, counts as all of it).
 
         Must raise :class:`PeerUnavailable` before writing anything when the peer's shards
         differ from the plan's in name or byte count (:func:`check_sizes`); may raise it (or
@@ -95,29 +108,38 @@ def check_sizes(want: Mapping[str, int], have: Mapping[str, int]) -> None:
     raise PeerUnavailable(why)
 
 
-def receive_shards(plan: RankPlan, peer: PeerSource, destinations: Sequence[torch.Tensor]) -> int:
+def receive_shards(
+    plan: RankPlan,
+    peer: PeerSource,
+    destinations: Sequence[torch.Tensor],
+    landed: Landed | None = None,
+) -> int:
     """Have ``peer`` fill ``destinations`` (shard ``i``'s memory as a 1-D uint8 CPU tensor
     of ``plan.shards[i].nbytes`` bytes) with every shard of ``plan``; return the bytes
-    received.
+    received. ``landed`` is told of each range as it is in place (each tensor whole at
+    the latest when the source yields its name).
 
     Raises :class:`PeerUnavailable` saying what went wrong (it reads after "the peer
-    failed: ") when the source raises anything, names a tensor the plan does not hold, a
-    tensor twice, or ends before every planned tensor arrived. The destinations may then
-    hold some of the peer's bytes: the caller discards them.
+    failed: ") when the source raises anything or ends before every planned tensor
+    arrived: the tensors ``landed`` was told of wholly hold the peer's bytes, the caller
+    may keep them. :class:`PeerMismatch` when it names a tensor the plan does not hold,
+    or a tensor twice: the caller discards everything it sent.
     """
     index = {shard.name: i for i, shard in enumerate(plan.shards)}
     arrived: set[str] = set()
-    items = _guarded(peer, plan, destinations)
+    items = _guarded(peer, plan, destinations, landed)
     try:
         for name in items:
             if name not in index:
-                raise PeerUnavailable(
+                raise PeerMismatch(
                     f"it sent tensor {name!r}, which rank {plan.rank}'s plan does not hold "
                     "(the peer's plan differs)"
                 )
             if name in arrived:
-                raise PeerUnavailable(f"it sent tensor {name!r} twice")
+                raise PeerMismatch(f"it sent tensor {name!r} twice")
             arrived.add(name)
+            if landed is not None:
+                landed(name, 0, plan.shards[index[name]].nbytes)
     finally:
         items.close()
     if missing := index.keys() - arrived:
@@ -129,13 +151,16 @@ def receive_shards(plan: RankPlan, peer: PeerSource, destinations: Sequence[torc
 
 
 def _guarded(
-    peer: PeerSource, plan: RankPlan, destinations: Sequence[torch.Tensor]
+    peer: PeerSource,
+    plan: RankPlan,
+    destinations: Sequence[torch.Tensor],
+    landed: Landed | None,
 ) -> Generator[str, None, None]:
     """``peer.fetch(plan, destinations)`` with any exception it raises (when called or
     while iterating) turned into :class:`PeerUnavailable`; closing it closes the peer's
     iterator."""
     try:
-        iterator = iter(peer.fetch(plan, destinations))
+        iterator = iter(peer.fetch(plan, destinations, landed))
     except Exception as exc:
         raise PeerUnavailable(_cause(exc)) from exc
     try:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from rayload.errors import MethodUnavailableError
+from rayload.loading.arrivals import Publish
 from rayload.loading.backends import BACKENDS, BackendResult
 from rayload.loading.checkpoint import Checkpoint, open_checkpoint
 from rayload.loading.manifest import verify_file_checksum
@@ -73,6 +74,7 @@ def load_rank(
     group: Any = None,
     plan: RankPlan | None = None,
     into: Into | None = None,
+    publish: Publish | None = None,
 ) -> tuple[dict[str, torch.Tensor], RankReport]:
     """Load rank ``rank`` of ``tp_size`` of the checkpoint at ``path`` onto ``device``.
 
@@ -105,7 +107,9 @@ def load_rank(
     of them for it); other methods load fresh tensors and copy them in. ``into`` may be
     a function of the rank's plan that returns that mapping (``rank.destinations``,
     after ``rank.plan``): an engine's module built before the read
-    (:func:`rayload.loading.model.model_destinations`).
+    (:func:`rayload.loading.model.model_destinations`). ``publish`` follows the bytes
+    as they land (:data:`~rayload.loading.arrivals.Publish`: what a holder forwards to
+    the next replica while it loads).
 
     Returns the tensors (this rank's shards by name) and the :class:`RankReport`, whose
     ``start_ns`` is taken before any config or header is parsed.
@@ -131,6 +135,7 @@ def load_rank(
         group=group,
         plan=plan,
         into=into,
+        publish=publish,
     )
     tensors = result.tensors
 
@@ -274,6 +279,7 @@ def _run(
     checkpoint: Checkpoint | None = None,
     group: Any = None,
     plan: RankPlan | None = None,
+    publish: Publish | None = None,
 ) -> tuple[RankPlan, Resolution, BackendResult, StorageUse]:
     """``rank.resolve``, ``rank.plan`` and the backend's phases (into ``into`` when
     given), with the fallback checks; what load_rank and reload_rank share. The
@@ -329,6 +335,7 @@ def _run(
         peer=peer,
         storage=resolution.storage,
         group=group,
+        publish=publish,
     )
     with timer.tagged(**storage.attributes()):
         result = backend.load(plan, resolution.device, timer, into=into, written=written)

@@ -73,6 +73,11 @@ class PhaseTimer:
             raise
         self.records.append(PhaseRecord(name, start, self.clock(), attrs))
 
+    @property
+    def tags(self) -> dict[str, Any]:
+        """The attributes :meth:`tagged` gives the phases started now."""
+        return dict(self._tags)
+
     @contextmanager
     def tagged(self, **attributes: Any) -> Iterator[None]:
         """Give every phase started inside the block ``attributes`` (a phase's own

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import torch
 
 from rayload.errors import CheckpointError
+from rayload.loading.arrivals import Arrivals, Publish
 from rayload.loading.checkpoint import Checkpoint
 from rayload.loading.dtypes import torch_dtype
 from rayload.loading.methods import LoadMethod
@@ -68,6 +69,10 @@ class Backend(ABC):
     :attr:`~rayload.loading.resolve.Resolution.storage`) are for the ``peer`` backend;
     the others ignore them. ``group``, the TP group's ``torch.distributed`` process
     group, lets ``scratch`` fetch split-1 tensors from object storage once per group.
+    ``publish`` (:data:`~rayload.loading.arrivals.Publish`) is told the memory of the
+    plan's tensors as the backend allocates it and marks their bytes as they land, so a
+    holder can forward them while this load runs (``scratch`` and ``peer`` do; the
+    others publish nothing, and their tensors count as arrived when the load ends).
     """
 
     method: ClassVar[LoadMethod]
@@ -81,6 +86,7 @@ class Backend(ABC):
         peer: PeerSource | None = None,
         storage: LoadMethod | None = None,
         group: Any = None,
+        publish: Publish | None = None,
     ) -> None:
         self.probe = probe
         self.checkpoint = checkpoint
@@ -88,6 +94,16 @@ class Backend(ABC):
         self.peer = peer
         self.storage = storage
         self.group = group
+        self.publish = publish
+
+    def _publisher(self, plan: RankPlan) -> Callable[[Sequence[torch.Tensor]], Arrivals] | None:
+        """``publish`` for ``plan``'s tensors, given their memory (the first buffers of a
+        read); None without ``publish``."""
+        publish = self.publish
+        if publish is None:
+            return None
+        names = [s.name for s in plan.shards]
+        return lambda buffers: publish(names, buffers[: len(names)])
 
     def load(
         self,

@@ -3,21 +3,27 @@
 ``rank.read`` allocates each shard's host tensor and copies the peer's bytes in
 (:func:`~rayload.loading.peer.receive_shards`: every planned tensor exactly once, each
 with exactly its shard's byte count); ``rank.to_device`` moves them to the device. When
-the peer fails at any point, what it sent is discarded (nothing half-loaded is returned)
-and the rank reads storage with the ``storage`` method instead, reported as a fallback:
-``effective`` is that method, whose phases say ``rayload.source=storage``.
+the peer fails part way, the tensors that had wholly arrived are kept and the others are
+read from storage with the ``storage`` method into the same memory (the load does not
+start over); when nothing had arrived, or the peer sent what the plan does not hold, the
+rank reads all of it from storage. Either is reported as a fallback: ``effective`` is
+the storage method, whose phases say ``rayload.source=storage``, and the reason says how
+many tensors came from where. Nothing half-loaded is returned.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
+from rayload.loading.arrivals import Arrivals
 from rayload.loading.backends.base import BACKENDS, Backend, BackendResult, register, synchronize
 from rayload.loading.dtypes import torch_dtype
 from rayload.loading.methods import LoadMethod
 from rayload.loading.peer import (
+    PeerMismatch,
     PeerSource,
     PeerUnavailable,
     peer_attributes,
@@ -26,7 +32,7 @@ from rayload.loading.peer import (
 )
 from rayload.loading.plan import RankPlan
 from rayload.loading.reader.reads import byte_view
-from rayload.loading.report import READ, STORAGE_SOURCE, TO_DEVICE, PhaseTimer
+from rayload.loading.report import READ, STORAGE_SOURCE, TO_DEVICE, PhaseRecord, PhaseTimer
 
 
 @register(LoadMethod.PEER)
@@ -39,8 +45,12 @@ class PeerBackend(Backend):
         failure: PeerUnavailable | None = None
         with timer.phase(READ, bytes=plan.nbytes, **peer_attributes(peer)) as attrs:
             hosts = [torch.empty(s.shape, dtype=torch_dtype(s.dtype)) for s in plan.shards]
+            views = [_bytes(h) for h in hosts]
+            names = [s.name for s in plan.shards]
+            arrivals = (self.publish or Arrivals)(names, views)
+            pieces = _Pieces(arrivals, timer.clock)
             try:
-                received = receive_shards(plan, peer, [_bytes(h) for h in hosts])
+                received = receive_shards(plan, peer, views, pieces.landed)
             except PeerUnavailable as exc:
                 failure = exc
                 attrs["peer.error"] = str(exc)
@@ -48,14 +58,82 @@ class PeerBackend(Backend):
                 attrs["bytes_from_peers"] = received
             if peer.via:
                 attrs["peer.via"] = peer.via
+        pieces.record(timer, source_label(peer))
         if failure is not None:
-            del hosts
-            return self._from_storage(plan, device, timer, peer, failure)
+            missing = set(arrivals.missing())
+            if len(missing) == len(names) or isinstance(failure, PeerMismatch):
+                del hosts, views
+                return self._from_storage(plan, device, timer, peer, failure)
+            return self._rest_from_storage(plan, device, timer, peer, failure, hosts, arrivals)
+        return self._to_device(plan, device, timer, hosts, received, peer)
+
+    def _to_device(
+        self,
+        plan: RankPlan,
+        device: torch.device,
+        timer: PhaseTimer,
+        hosts: list[torch.Tensor],
+        received: int,
+        peer: PeerSource,
+        *,
+        bytes_read: int = 0,
+        fallback_reason: str | None = None,
+    ) -> BackendResult:
         with timer.phase(TO_DEVICE, device=str(device)):
             tensors = {s.name: h.to(device) for s, h in zip(plan.shards, hosts, strict=True)}
             synchronize(device)
+        effective = self.method if fallback_reason is None else self.storage
+        assert effective is not None
         return BackendResult(
-            tensors, 0, self.method, bytes_from_peers=received, source=source_label(peer)
+            tensors,
+            bytes_read,
+            effective,
+            fallback_reason=fallback_reason,
+            bytes_from_peers=received,
+            source=source_label(peer),
+        )
+
+    def _rest_from_storage(
+        self,
+        plan: RankPlan,
+        device: torch.device,
+        timer: PhaseTimer,
+        peer: PeerSource,
+        failure: PeerUnavailable,
+        hosts: list[torch.Tensor],
+        arrivals: Arrivals,
+    ) -> BackendResult:
+        """The peer failed after some tensors had arrived: keep those, read the others
+        (each whole, one cut short included) from storage into the same memory, then move
+        them all. The load does not start over; the result (``effective``: the storage
+        method) names the switch and how much came from where."""
+        missing = set(arrivals.missing())
+        assert self.storage is not None
+        storage = BACKENDS[self.storage](
+            self.probe, checkpoint=self.checkpoint, options=self.options
+        )
+        rest = replace(plan, shards=tuple(s for s in plan.shards if s.name in missing))
+        views = [_bytes(h) for s, h in zip(plan.shards, hosts, strict=True) if s.name in missing]
+        with timer.tagged(source=STORAGE_SOURCE):
+            result = storage._load_into(rest, torch.device("cpu"), timer, views, set())
+        for shard in rest.shards:
+            arrivals.landed_name(shard.name, 0, shard.nbytes)
+        received = plan.nbytes - rest.nbytes
+        reason = (
+            f"{peer.describe()} failed mid-transfer: {failure}; {len(plan.shards) - len(missing)} "
+            f"of {len(plan.shards)} tensors ({received} bytes) had arrived and were kept, the "
+            f"other {len(missing)} ({rest.nbytes} bytes) were read from storage"
+        )
+        reasons = [reason, *([result.fallback_reason] if result.fallback_reason else [])]
+        return self._to_device(
+            plan,
+            device,
+            timer,
+            hosts,
+            received,
+            peer,
+            bytes_read=result.bytes_read,
+            fallback_reason="; ".join(reasons),
         )
 
     def _peer(self) -> PeerSource:
@@ -80,13 +158,57 @@ class PeerBackend(Backend):
         fallback reason, when it has one)."""
         assert self.storage is not None
         storage = BACKENDS[self.storage](
-            self.probe, checkpoint=self.checkpoint, options=self.options
+            self.probe, checkpoint=self.checkpoint, options=self.options, publish=self.publish
         )
         with timer.tagged(source=STORAGE_SOURCE):
             result = storage._load(plan, device, timer)
         reason = f"{peer.describe()} failed mid-transfer: {failure}; read from storage instead"
         reasons = [reason, *([result.fallback_reason] if result.fallback_reason else [])]
         return replace(result, fallback_reason="; ".join(reasons))
+
+
+PIECES = "rank.peer_pieces"
+"""The span of a rank's pieces from a peer: from the first one's arrival to the last's,
+with ``pieces``, ``bytes`` and ``piece_ms`` (each piece's arrival, ms after the span's
+start, in order): from whom the rank received which bytes, and when."""
+
+_MAX_PIECE_TIMES = 4096
+"""At most this many arrival times on a span (a 1 TB shard's 8 MiB pieces would be 130k)."""
+
+
+class _Pieces:
+    """Records each piece as it lands (``landed``, given to the receiver) into
+    ``arrivals``, then :meth:`record` s the :data:`PIECES` span."""
+
+    def __init__(self, arrivals: Arrivals, clock: Callable[[], int]) -> None:
+        self._arrivals, self._clock = arrivals, clock
+        self.times: list[int] = []
+        self.nbytes = 0
+
+    def landed(self, name: str, offset: int, length: int) -> None:
+        if self._arrivals.landed_name(name, offset, length):
+            self.times.append(self._clock())
+            self.nbytes += length
+
+    def record(self, timer: PhaseTimer, source: str) -> None:
+        if not self.times:
+            return
+        first = self.times[0]
+        step = max(1, -(-len(self.times) // _MAX_PIECE_TIMES))
+        timer.records.append(
+            PhaseRecord(
+                PIECES,
+                first,
+                self.times[-1],
+                {
+                    **timer.tags,
+                    "source": source,
+                    "pieces": len(self.times),
+                    "bytes": self.nbytes,
+                    "piece_ms": [round((t - first) / 1e6, 1) for t in self.times[::step]],
+                },
+            )
+        )
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:

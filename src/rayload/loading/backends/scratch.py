@@ -57,7 +57,13 @@ class ScratchBackend(ReaderBackend):
         with timer.phase(READ, bytes=plan.nbytes) as attrs:
             if share is None:
                 buffers, sink, bytes_read = read_segments(
-                    segments, sizes, device, self.options, targets=targets, touched=touched
+                    segments,
+                    sizes,
+                    device,
+                    self.options,
+                    targets=targets,
+                    touched=touched,
+                    publish=self._publisher(plan),
                 )
             else:
                 buffers, sink, bytes_read = self._read_shared(

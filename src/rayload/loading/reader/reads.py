@@ -27,6 +27,7 @@ import torch
 from numpy.lib.stride_tricks import as_strided
 
 from rayload.errors import CheckpointError
+from rayload.loading.arrivals import Arrivals
 from rayload.loading.dtypes import torch_dtype
 from rayload.loading.plan import TensorShard
 from rayload.loading.reader.options import ReaderOptions, ReadSettings, run_on
@@ -34,6 +35,7 @@ from rayload.loading.reader.pages import prefault
 from rayload.loading.reader.readplan import Batch, Read, Segment, batch_reads, plan_reads
 from rayload.loading.reader.sinks import HostSink, Sink, StagedDeviceSink, Views, host_view
 from rayload.loading.storage import Storage, is_remote, storage_for
+from rayload.loading.storage.base import Progress
 
 ReadHook = Callable[["Read", list[memoryview]], None]
 """Called with each read and the buffers it filled, on the reader thread, right after the
@@ -46,12 +48,14 @@ def run_reads(
     settings: ReadSettings,
     *,
     on_read: ReadHook | None = None,
+    landing: Landing | None = None,
 ) -> int:
     """Execute ``batches`` into ``sink`` on ``settings.threads`` threads, at most
     ``settings.window`` in flight; return the bytes read (the sum of what ``os.preadv``
     returned). ``on_read`` (thread-safe) sees every read on the thread that performed it,
-    before its batch is released. A file shorter than a read is a CheckpointError naming
-    it."""
+    before its batch is released. ``landing`` is told of the bytes as they land (host
+    destinations only: a sink whose views are the destinations). A file shorter than a
+    read is a CheckpointError naming it."""
     total = 0
     files = (r.file for b in batches for r in b.reads)
     pool = ThreadPoolExecutor(
@@ -67,7 +71,9 @@ def run_reads(
                 if len(inflight) >= settings.window:
                     total += _finish(inflight.popleft(), sink)
                 views = sink.acquire(batch)
-                future = pool.submit(_pread_batch, fds, batch, views, on_read, sink.prefault)
+                future = pool.submit(
+                    _pread_batch, fds, batch, views, on_read, sink.prefault, landing
+                )
                 inflight.append((batch, views, future))
             while inflight:
                 total += _finish(inflight.popleft(), sink)
@@ -94,6 +100,7 @@ def _pread_batch(
     views: Views,
     on_read: ReadHook | None,
     fresh: bool,
+    landing: Landing | None = None,
 ) -> int:
     """``batch``'s reads into ``views``; ``fresh``: the views may be memory not yet
     faulted in, so each is faulted in at once before its read (:func:`.pages.prefault`)."""
@@ -102,18 +109,52 @@ def _pread_batch(
         if fresh:
             for view in read_views:
                 prefault(view)
-        total += _pread_all(fds[read.file], read, read_views)
+        progress = None if landing is None else landing.progress(read)
+        total += _pread_all(fds[read.file], read, read_views, progress)
+        if landing is not None:
+            landing.landed(read)
         if on_read is not None:
             on_read(read, read_views)
     return total
 
 
-def _pread_all(fd: RangeSource, read: Read, views: list[memoryview]) -> int:
+class Landing:
+    """Tells ``arrivals`` which destination bytes a read has filled: as an object store's
+    body comes (:meth:`progress`), and all of them once the read is done (:meth:`landed`).
+    Thread-safe (the arrivals are)."""
+
+    def __init__(self, arrivals: Arrivals) -> None:
+        self._arrivals = arrivals
+
+    def progress(self, read: Read) -> Progress | None:
+        """``progress(done)`` for ``read``: its first ``done`` bytes are in place (its
+        segments are file-contiguous, in order); None for strided rows."""
+        if read.row:
+            return None
+        arrivals = self._arrivals
+
+        def progress(done: int) -> None:
+            for segment in read.segments:
+                covered = min(segment.length, done - (segment.offset - read.offset))
+                if covered <= 0:
+                    return
+                arrivals.landed(segment.target, segment.target_offset, covered)
+
+        return progress
+
+    def landed(self, read: Read) -> None:
+        for segment in read.segments:
+            self._arrivals.landed(segment.target, segment.target_offset, segment.length)
+
+
+def _pread_all(
+    fd: RangeSource, read: Read, views: list[memoryview], progress: Progress | None = None
+) -> int:
     """Perform ``read`` into ``views``: one ``os.preadv`` (or ranged GET); when strided, one
     per row, or (rows closer than the storage's ``gather_gap``, a page for files) one per
     run of rows through a bounce buffer."""
     if not read.row:
-        return _pread_exact(fd, read, read.offset, views, read.length)
+        return _pread_exact(fd, read, read.offset, views, read.length, progress)
     [view] = views
     row, stride = read.row, read.stride
     gap, span_bytes = (
@@ -156,12 +197,18 @@ def _bounce_buffer(nbytes: int) -> np.ndarray:
 
 
 def _pread_exact(
-    fd: RangeSource, read: Read, offset: int, views: list[memoryview], size: int
+    fd: RangeSource,
+    read: Read,
+    offset: int,
+    views: list[memoryview],
+    size: int,
+    progress: Progress | None = None,
 ) -> int:
     """Fill ``views`` (``size`` bytes) from ``offset``; short reads are retried, end of
-    file is a CheckpointError. An object storage fills them itself, exactly or raising."""
+    file is a CheckpointError. An object storage fills them itself, exactly or raising,
+    telling ``progress`` as its body comes."""
     if not isinstance(fd, int):
-        return fd.read_into(read.file, offset, views, size)
+        return fd.read_into(read.file, offset, views, size, progress)
     n = os.preadv(fd, views, offset)
     if n == size:
         return n
@@ -241,11 +288,14 @@ def read_segments(
     on_read: ReadHook | None = None,
     targets: Sequence[torch.Tensor] = (),
     touched: set[int] | None = None,
+    publish: Callable[[Sequence[torch.Tensor]], Arrivals] | None = None,
 ) -> tuple[list[torch.Tensor], Sink, int]:
     """Read ``segments`` into one byte buffer of ``sizes[i]`` per destination on
     ``device``. The first destinations are ``targets`` when given: existing byte buffers
     (:func:`byte_view` of resident tensors), filled in place; the others are allocated.
     ``touched`` collects the indices of the destinations the reader began writing.
+    ``publish`` (host memory only) is given the buffers before the first read and returns
+    the :class:`~rayload.loading.arrivals.Arrivals` to mark as the bytes land.
     Returns the buffers, the sink (call ``finish()`` before using device buffers) and the
     bytes read."""
     remote = bool(segments) and is_remote(segments[0].file)
@@ -264,9 +314,12 @@ def read_segments(
         sink: Sink = StagedDeviceSink(buffers, settings, touched)
     else:
         sink = HostSink([host_view(b) for b in buffers], touched)
+    landing = None
+    if publish is not None and device.type == "cpu":  # the host sink reads in place
+        landing = Landing(publish(buffers))
     chunk = settings.chunk_bytes
     batches = batch_reads(plan_reads(segments, chunk), chunk)
-    return buffers, sink, run_reads(batches, sink, settings, on_read=on_read)
+    return buffers, sink, run_reads(batches, sink, settings, on_read=on_read, landing=landing)
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor | None:

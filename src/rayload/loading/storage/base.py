@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 StorageKind = Literal["file", "s3"]
+
+Progress = Callable[[int], None]
+"""``progress(done)``: the first ``done`` bytes of a read are in place."""
 
 S3_SCHEME = "s3://"
 
@@ -102,9 +105,17 @@ class Storage(ABC):
         """Up to ``length`` bytes of ``path`` from ``offset`` (fewer only at its end)."""
 
     @abstractmethod
-    def read_into(self, path: str, offset: int, views: list[memoryview], size: int) -> int:
+    def read_into(
+        self,
+        path: str,
+        offset: int,
+        views: list[memoryview],
+        size: int,
+        progress: Progress | None = None,
+    ) -> int:
         """Fill ``views`` (``size`` bytes together, in order) from ``offset`` of ``path``;
-        returns ``size`` or raises (a CheckpointError naming the file)."""
+        returns ``size`` or raises (a CheckpointError naming the file). ``progress``, when
+        given, may be told how many of the bytes are in place as they come."""
 
     @abstractmethod
     def read_all(self, path: str) -> bytes:

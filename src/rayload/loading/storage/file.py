@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, ClassVar
 
-from rayload.loading.storage.base import Storage, StorageCounters, StorageKind
+from rayload.loading.storage.base import Progress, Storage, StorageCounters, StorageKind
 
 
 class FileStorage(Storage):
@@ -36,7 +36,14 @@ class FileStorage(Storage):
         with open(path, "rb", buffering=0) as f:
             return os.pread(f.fileno(), length, offset)
 
-    def read_into(self, path: str, offset: int, views: list[memoryview], size: int) -> int:
+    def read_into(
+        self,
+        path: str,
+        offset: int,
+        views: list[memoryview],
+        size: int,
+        progress: Progress | None = None,
+    ) -> int:
         from rayload.loading.reader.reads import truncated_error
 
         with open(path, "rb", buffering=0) as f:

@@ -41,12 +41,14 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from rayload.errors import ConfigError, StorageError
 from rayload.loading.storage.base import (
     S3_SCHEME,
+    Progress,
     Storage,
     StorageCounters,
     StorageKind,
@@ -63,6 +65,13 @@ from rayload.loading.storage.s3_client import (
 
 BODY_RETRIES = 5
 """Resumptions of one ranged GET whose body was cut short."""
+
+
+def _from(progress: Progress, base: int, got: int) -> None:
+    """``progress`` of a resumed body: ``base`` bytes were in place before it."""
+    progress(base + got)
+
+
 _API_ATTEMPTS = 6
 """Attempts per request (botocore's own retries are off: these are bounded by the
 load's deadline)."""
@@ -190,9 +199,18 @@ class S3Storage(Storage):
 
     # -- ranged reads into given buffers --------------------------------------------------
 
-    def read_into(self, path: str, offset: int, views: list[memoryview], size: int) -> int:
+    def read_into(
+        self,
+        path: str,
+        offset: int,
+        views: list[memoryview],
+        size: int,
+        progress: Progress | None = None,
+    ) -> int:
         """Fill ``views`` (``size`` bytes together) from ``offset`` of ``path`` with one
-        ranged GET, resumed where a body was cut short; returns ``size``."""
+        ranged GET, resumed where a body was cut short; returns ``size``. ``progress`` is
+        told the bytes in place every
+        :data:`~rayload.loading.storage.s3_client.PROGRESS_BYTES` or so as the body comes."""
         if size == 0:
             return 0
         key = self._key(path)
@@ -216,7 +234,12 @@ class S3Storage(Storage):
             body = response["Body"]
             try:
                 self._check_range(path, response, start, end)
-                got, problem = fill(body, pending, read_timeout)
+                got, problem = fill(
+                    body,
+                    pending,
+                    read_timeout,
+                    None if progress is None else partial(_from, progress, done),
+                )
             except BaseException:
                 body.close()
                 raise

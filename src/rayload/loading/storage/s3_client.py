@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rayload.errors import ConfigError, StorageError
@@ -58,17 +59,27 @@ def slack(timeout_s: float) -> float:
     return min(10.0, max(1.0, timeout_s / 10))
 
 
-def fill(body: Any, pending: list[memoryview], read_timeout: float) -> tuple[int, str]:
+PROGRESS_BYTES = 256 << 10
+"""How often (in bytes of a body) :func:`fill` tells its ``progress``."""
+
+
+def fill(
+    body: Any,
+    pending: list[memoryview],
+    read_timeout: float,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[int, str]:
     """Read ``body`` into ``pending`` (consumed in place) until full or the body ends;
-    the bytes read and, when it ended early, why. Under a deadline, no read starts that
-    could block (``read_timeout``) past it: the body is left, and its resumption then
-    fails the deadline check."""
+    the bytes read and, when it ended early, why; ``progress(got)`` every
+    :data:`PROGRESS_BYTES` or so. Under a deadline, no read starts that could block
+    (``read_timeout``) past it: the body is left, and its resumption then fails the
+    deadline check."""
     import botocore.exceptions as bex
     import urllib3.exceptions as uex
 
     deadline = current_deadline()
     stop_at = None if deadline is None else deadline[0] - read_timeout - slack(deadline[1])
-    got = 0
+    got = told = 0
     try:
         while pending:
             if stop_at is not None and time.monotonic() > stop_at:
@@ -81,6 +92,9 @@ def fill(body: Any, pending: list[memoryview], read_timeout: float) -> tuple[int
                 pending.pop(0)
             else:
                 pending[0] = pending[0][n:]
+            if progress is not None and got - told >= PROGRESS_BYTES:
+                progress(got)
+                told = got
     except (bex.BotoCoreError, uex.HTTPError, OSError) as exc:
         return got, type(exc).__name__
     return got, ""

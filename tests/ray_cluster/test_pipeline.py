@@ -1,0 +1,185 @@
+"""The pipelined fan-out of peer loads on a real Ray cluster, from a real S3-protocol
+server (moto behind the counting proxy of tests/support/s3.py, its link slowed so that a
+load lasts seconds): replicas that start together receive from a replica still loading,
+each piece as it lands there, and the server serves the checkpoint once.
+
+* three replicas in a chain (``peer_fanout=1``): bit-identical shards, the server's count
+  one replica's, the third's first pieces in before the first has read its last;
+* a replica in the middle of a pipeline killed: the one downstream of it keeps what had
+  arrived and reads only the rest from storage, its report naming the switch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+import rayload
+from rayload.actors.directory import call, directory
+from rayload.errors import RayloadError
+from rayload.loading import load_rank, plan_shards, write_checkpoint
+from rayload.loading.backends.peer import PIECES
+from rayload.loading.methods import LoadMethod
+from rayload.tracing import schema
+from support.s3 import S3Server, s3_server
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+PIECE_BYTES = 256 << 10
+"""The peers' piece size in these tests (``peer_bucket_bytes``): many pieces per tensor."""
+
+
+@pytest.fixture(scope="module")
+def s3() -> S3Server:
+    return s3_server()
+
+
+@pytest.fixture(scope="module")
+def pipeline_url(s3: S3Server, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """A 16 MB checkpoint in S3, and its local copy."""
+    path = write_checkpoint(tmp_path_factory.mktemp("s3-pipe") / "ckpt", size_gb=0.016, seed=11)
+    return s3.upload(path, "ray-models", "pipeline"), path
+
+
+@pytest.fixture
+def slow_link(s3: S3Server) -> Any:
+    """The proxy's link at ``rate`` bytes/s for this test (then as fast as it can)."""
+
+    def slow(rate: float) -> None:
+        s3.proxy.rate = rate
+
+    yield slow
+    s3.proxy.rate = 0.0
+
+
+def _digests(state: Any) -> dict[str, str]:
+    return {
+        name: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+        for name, t in state.tensors.items()
+    }
+
+
+def _local_digests(path: Path) -> dict[str, str]:
+    tensors, _ = load_rank(path, 0, 1, "scratch", "cpu")
+    return {
+        n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+        for n, t in tensors.items()
+    }
+
+
+def test_three_replicas_in_a_chain_pipeline_the_store_s_bytes_served_once(
+    s3: S3Server,
+    pipeline_url: tuple[str, Path],
+    slow_link: Callable[[float], None],
+    set_test_hooks: Callable[..., None],
+    trace_reader: Any,
+    tmp_path: Path,
+    no_leaks: Any,
+) -> None:
+    url, local = pipeline_url
+    prefix = url.removeprefix("s3://") + "/"
+    shard = plan_shards(local, 1).ranks[0].nbytes
+    set_test_hooks(peer_bucket_bytes=PIECE_BYTES)
+    slow_link(8e6)  # 16 MB at 8 MB/s: replica 0 reads for about 2 s
+    s3.proxy.clear()
+    with rayload.load(
+        url, 1, device="cpu", replicas=3, peer_fanout=1, trace_dir=tmp_path, timeout=300
+    ) as result:
+        served = s3.proxy.served_bytes(prefix)
+        ranks, ids = result.ranks, result.replica_ids
+        digests = result.apply(_digests)
+    slow_link(0.0)
+    # Bit-identical to the checkpoint, every replica.
+    assert digests[0] == digests[1] == digests[2] == _local_digests(local)
+    # A chain: 1 from 0, 2 from 1, both straight from a replica still loading.
+    assert ranks[0].bytes_from_storage == shard and ranks[0].bytes_from_peers == 0
+    for replica in (1, 2):
+        report = ranks[replica]
+        assert report.method.effective is LoadMethod.PEER, report.method.fallback_reason
+        assert report.bytes_from_storage == 0 and report.bytes_from_peers == shard
+        assert report.source.startswith(f"peer replica={ids[replica - 1]} ")
+    # Each byte once per cluster, by the server's own count (headers and config beside).
+    assert shard <= served <= 1.02 * shard, served / shard
+    # Pipelined, as the trace shows: replica 2 had its first pieces, over two hops, well
+    # before replica 0 had read its last byte, and it received in many pieces, from 1.
+    spans = trace_reader(tmp_path)
+
+    def span(name: str, replica: int) -> Any:
+        [found] = [s for s in spans if s.name == name and s.resource.get(schema.REPLICA) == replica]
+        return found
+
+    read_0, pieces_2 = span("rank.read", 0), span(PIECES, 2)
+    assert pieces_2.start_ns < read_0.end_ns - 0.5e9, (read_0.end_ns - pieces_2.start_ns) / 1e9
+    assert pieces_2.attributes["rayload.pieces"] >= shard // PIECE_BYTES
+    assert pieces_2.attributes["rayload.bytes"] == shard
+    assert pieces_2.attributes["rayload.source"].startswith(f"peer replica={ids[1]} ")
+
+
+def test_a_replica_killed_mid_pipeline_its_downstream_keeps_what_arrived_and_reads_the_rest(
+    s3: S3Server,
+    pipeline_url: tuple[str, Path],
+    slow_link: Callable[[float], None],
+    set_test_hooks: Callable[..., None],
+    no_leaks: Any,
+) -> None:
+    url, local = pipeline_url
+    prefix = url.removeprefix("s3://") + "/"
+    shard = plan_shards(local, 1).ranks[0].nbytes
+    set_test_hooks(peer_bucket_bytes=PIECE_BYTES)
+    slow_link(2e6)  # replica 0 of the first load reads for about 8 s
+    s3.proxy.clear()
+    failures: list[BaseException] = []
+    outcome: dict[str, Any] = {}
+
+    def first() -> None:  # replica 0 reads storage, replica 1 receives from it
+        try:
+            rayload.load(url, 1, device="cpu", replicas=2, peer_fanout=1, timeout=300).close()
+        except BaseException as exc:
+            failures.append(exc)
+
+    def downstream() -> None:  # the youngest replica still loading is its parent: 1
+        with rayload.load(url, 1, device="cpu", peer_fanout=1, timeout=300) as result:
+            outcome["report"] = result.ranks[0]
+            outcome["digests"] = result.apply(_digests)[0]
+
+    loads = threading.Thread(target=first)
+    loads.start()
+    deadline = time.monotonic() + 120
+    while len(entries := [e for e in call(directory().entries) if e.path == url]) < 2:
+        assert time.monotonic() < deadline, "the first load's replicas never registered"
+        time.sleep(0.05)
+    middle = entries[1].actors[0]
+    receiver = threading.Thread(target=downstream)
+    receiver.start()
+    while ray.get(middle.peer_ping.remote()) == 0:  # it has begun forwarding to the third
+        assert time.monotonic() < deadline, "the middle replica never forwarded a piece"
+        time.sleep(0.05)
+    time.sleep(0.5)  # a few pieces further
+    ray.kill(middle, no_restart=True)
+    loads.join(timeout=180)
+    receiver.join(timeout=180)
+    slow_link(0.0)
+    assert not loads.is_alive() and not receiver.is_alive()
+    # The first load fails, naming the replica that died; the third finishes.
+    assert len(failures) == 1 and isinstance(failures[0], RayloadError), failures
+    report = outcome["report"]
+    reason = report.method.fallback_reason or ""
+    assert report.method.selected is LoadMethod.PEER
+    assert f"replica {entries[1].replica} rank 0" in reason and "failed mid-transfer" in reason
+    assert "had arrived and were kept" in reason
+    # Not started over: what had arrived came from the peer, only the rest from storage.
+    assert 0 < report.bytes_from_peers < shard
+    assert report.bytes_from_peers + report.bytes_from_storage == shard
+    assert outcome["digests"] == _local_digests(local)
+    assert s3.proxy.served_bytes(prefix) < 2 * shard  # the cluster never read it twice
