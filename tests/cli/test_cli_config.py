@@ -55,7 +55,8 @@ def test_every_flag_reaches_its_field() -> None:
         "--strict-method", "--rules", "r.json", "--expert-parallel",
         "--process-group", "none", "--address", "local", "--placement-strategy", "SPREAD",
         "--trace-dir", "t", "--otlp-endpoint", "http://x/v1/traces", "--timeout", "30",
-        "--model-role", "draft", "--replicas", "2", "--no-peers", "--shared-copy",
+        "--model-role", "draft", "--replicas", "2", "--no-peers", "--peer-fanout", "1",
+        "--shared-copy",
     ]  # fmt: skip
     config = load_config(build_parser().parse_args(argv))
     assert config.model_dump(mode="json") == {
@@ -63,7 +64,7 @@ def test_every_flag_reaches_its_field() -> None:
         "rules": "r.json", "expert_parallel": True, "process_group": None,
         "address": "local", "placement_strategy": "SPREAD", "trace_dir": "t",
         "otlp_endpoint": "http://x/v1/traces", "timeout": 30.0, "model_role": "draft",
-        "replicas": 2, "peers": False, "shared_copy": True,
+        "replicas": 2, "peers": False, "peer_fanout": 1, "shared_copy": True,
     }  # fmt: skip
 
 

@@ -78,12 +78,10 @@ def load_rank(
 ) -> tuple[dict[str, torch.Tensor], RankReport]:
     """Load rank ``rank`` of ``tp_size`` of the checkpoint at ``path`` onto ``device``.
 
-    ``method`` is a :class:`LoadMethod` or its string; ``device`` is ``auto`` (the local
-    GPU, ``cuda:0`` of the visible set, else cpu), ``cpu``, ``cuda`` or ``cuda:N``.
-    ``strict`` turns any fallback (chosen up front or detected after the read) into
+    ``method``: a :class:`LoadMethod` or its string; ``device``: ``auto`` (the local GPU,
+    else cpu), ``cpu``, ``cuda`` or ``cuda:N``. ``strict`` turns any fallback into
     :class:`MethodUnavailableError`. ``probe`` replaces the environment probe (tests);
-    ``timer`` collects the phases (pass your own to keep them when this raises);
-    ``post_load(tensors)`` runs inside ``rank.post_load``, followed by a device sync.
+    ``timer`` collects the phases; ``post_load(tensors)`` runs inside ``rank.post_load``.
     ``expert_parallel`` gives the rank only its experts, whole
     (:mod:`~rayload.loading.experts`). ``peer`` is a rank of another replica holding this
     rank's shards (same :func:`~rayload.loading.identity.peer_key`): ``auto`` and ``peer``
@@ -93,13 +91,11 @@ def load_rank(
     ``checkpoint`` is ``path`` as another process opened it (the driver's, for object
     storage): no header is read again, and every byte comes from the versions it records
     (``Checkpoint.versions``) or the load fails naming the object that changed.
-    ``group`` is the ``torch.distributed`` group of the rank's TP group (rank ``rank`` of
-    ``tp_size``), every rank of it loading the same checkpoint from object storage alike
-    (the same call, at the same time): its ranks then fetch each split-1 tensor once
-    between them, the owner scattering the columns (:mod:`~rayload.loading.reader.group`).
-    ``plan`` is the rank's plan of ``checkpoint`` as :func:`plan_shards` made it for these
-    arguments (an engine loading its shard in batches plans once): ``rank.plan`` then
-    only applies ``adjust_plan``.
+    ``group``: the TP group's ``torch.distributed`` group, every rank loading the same
+    ``s3://`` checkpoint alike: they fetch each split-1 tensor once between them
+    (:mod:`~rayload.loading.reader.group`). ``plan``: the rank's plan of ``checkpoint``
+    from :func:`plan_shards` for these arguments (``rank.plan`` only applies
+    ``adjust_plan``).
     ``into`` gives every shard of the plan its memory (name -> a tensor of the shard's
     shape on ``device``: a region of an engine's parameter, say): the shards are loaded
     into it, and the returned tensors are those. ``scratch`` and ``converted`` read
@@ -107,9 +103,8 @@ def load_rank(
     of them for it); other methods load fresh tensors and copy them in. ``into`` may be
     a function of the rank's plan that returns that mapping (``rank.destinations``,
     after ``rank.plan``): an engine's module built before the read
-    (:func:`rayload.loading.model.model_destinations`). ``publish`` follows the bytes
-    as they land (:data:`~rayload.loading.arrivals.Publish`: what a holder forwards to
-    the next replica while it loads).
+    (:func:`rayload.loading.model.model_destinations`). ``publish``: see
+    :data:`~rayload.loading.arrivals.Publish` (what a holder forwards while it loads).
 
     Returns the tensors (this rank's shards by name) and the :class:`RankReport`, whose
     ``start_ns`` is taken before any config or header is parsed.

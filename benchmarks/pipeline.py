@@ -1,0 +1,297 @@
+"""Replicas started together, from one object store: pipelined peers against today's
+peers and no peers, side by side in one run (issue #31).
+
+    PYTHONPATH=src:tests python benchmarks/pipeline.py [--size-gb 1] [--counts 1 2 4 8]
+        [--rounds 2] [--store-mbps 100] [--link-mbps 200] [--out benchmarks/results/NAME]
+
+The store is moto on 127.0.0.1 behind the tests' counting proxy (tests/support/s3.py),
+which sends bodies at ``--store-mbps`` for all connections together, as one link to a
+remote store would. Each peer channel is paced to ``--link-mbps`` (the
+``peer_link_mbps`` test hook), as one network link between two machines would be. Both
+limits emulate a cluster's network on one host: the figures are labelled so.
+
+Cases, for each replica count ``n`` (TP=1, ``n`` replicas in one ``rayload.load``):
+
+* ``pipelined``: the default (``peer_fanout=2``): replicas still loading forward each
+  piece as it lands;
+* ``today``: ``peer_fanout=0``, the replicas receive once their holder has loaded;
+* ``no-peers``: ``method="scratch"``, every replica reads the store.
+
+Interleaved: each round runs every (count, case) once, the cases alternating within a
+count. Per load: the wall time of ``rayload.load`` (the rank actors' start-up included),
+the weights' time (first rank's ``rank.load`` start to the last one's end, from the
+reports) and the bytes the server sent. From the written trace, each replica's
+``rank.peer_pieces`` (from whom, first and last piece) feeds the model of the pipeline
+(docs/benchmarks.md): the time one more level of the tree adds.
+
+Writes ``OUT.json`` (every sample), ``OUT.md`` (the table) and ``OUT.png`` (time to the
+last replica against the replica count, per case).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CASES = {
+    "pipelined": {"peer_fanout": 2},
+    "today": {"peer_fanout": 0},
+    "no-peers": {"method": "scratch"},
+}
+
+
+def _pieces(trace_dir: Path) -> list[dict[str, Any]]:
+    """Each ``rank.peer_pieces`` span of the trace: replica, source, first and last piece
+    (ns), pieces, bytes."""
+    data = json.loads((trace_dir / "trace.otlp.json").read_text())
+    out = []
+    for resource_spans in data["resourceSpans"]:
+        resource = {
+            a["key"]: next(iter(a["value"].values()))
+            for a in resource_spans.get("resource", {}).get("attributes", [])
+        }
+        for scope in resource_spans["scopeSpans"]:
+            for span in scope["spans"]:
+                if span["name"] != "rank.peer_pieces":
+                    continue
+                attrs = {a["key"]: next(iter(a["value"].values())) for a in span["attributes"]}
+                out.append(
+                    {
+                        "replica": int(resource.get("rayload.replica", 0)),
+                        "source": attrs["rayload.source"],
+                        "start_ns": int(span["startTimeUnixNano"]),
+                        "end_ns": int(span["endTimeUnixNano"]),
+                        "pieces": int(attrs["rayload.pieces"]),
+                        "bytes": int(attrs["rayload.bytes"]),
+                    }
+                )
+    return out
+
+
+def _load(url: str, n: int, case: str, proxy: Any, trace_dir: Path) -> dict[str, Any]:
+    import rayload
+
+    prefix = url.removeprefix("s3://") + "/"
+    proxy.clear()
+    started = time.perf_counter()
+    with rayload.load(
+        url, 1, device="cpu", replicas=n, timeout=900, trace_dir=trace_dir, **CASES[case]
+    ) as result:
+        wall = time.perf_counter() - started
+        ranks = result.ranks
+        ids = list(result.replica_ids)
+    served = proxy.served_bytes(prefix)
+    return {
+        "n": n,
+        "case": case,
+        "wall_s": wall,
+        "weights_s": (max(r.end_ns for r in ranks) - min(r.start_ns for r in ranks)) / 1e9,
+        "replica_s": [r.seconds for r in ranks],
+        "served": served,
+        "from_peers": [r.bytes_from_peers for r in ranks],
+        "fallbacks": [r.method.fallback_reason for r in ranks if r.method.fallback_reason],
+        "replica_ids": ids,
+        "pieces": _pieces(trace_dir) if n > 1 and case != "no-peers" else [],
+        "first_rank_start_ns": min(r.start_ns for r in ranks),
+    }
+
+
+def _depths(ids: list[str], pieces: list[dict[str, Any]]) -> dict[int, int]:
+    """Each replica's level in the tree its sources make (0: reads storage)."""
+    parent = {
+        p["replica"]: ids.index(p["source"].split()[1].removeprefix("replica="))
+        for p in pieces
+        if p["source"].startswith("peer ")
+    }
+    depth: dict[int, int] = {}
+    for replica in range(len(ids)):
+        d, r = 0, replica
+        while r in parent:
+            d, r = d + 1, parent[r]
+        depth[replica] = d
+    return depth
+
+
+def _model(rows: list[dict[str, Any]], fanout: int) -> dict[str, Any]:
+    """The pipeline's model fitted to the pipelined loads: the last replica's weights
+    time = one replica's (``alone``) + ``lag`` (the first hop: the pieces the storage
+    reader had in flight) + ``hop`` per further level of the tree."""
+    alone = statistics.median(r["weights_s"] for r in rows if r["n"] == 1)
+    points = []  # (depth, seconds from the first rank's start to that replica's last piece)
+    for r in rows:
+        if r["n"] < 2:
+            continue
+        depth = _depths(r["replica_ids"], r["pieces"])
+        for p in r["pieces"]:
+            points.append((depth[p["replica"]], (p["end_ns"] - r["first_rank_start_ns"]) / 1e9))
+    by_depth: dict[int, list[float]] = {}
+    for d, t in points:
+        by_depth.setdefault(d, []).append(t)
+    med = {d: statistics.median(ts) for d, ts in sorted(by_depth.items())}
+    lag = med.get(1, alone) - alone
+    deeper = [(d, t) for d, t in med.items() if d >= 2]
+    hop = statistics.median((t - med[1]) / (d - 1) for d, t in deeper) if deeper else 0.0
+    return {
+        "alone_s": alone,
+        "lag_s": lag,
+        "hop_s": max(hop, 0.0),
+        "by_depth": med,
+        "fanout": fanout,
+    }
+
+
+def depth_of(n: int, fanout: int) -> int:
+    """The deepest level of a tree of ``n`` replicas of fan-out ``fanout`` (the order in
+    which rayload's ``choose_sources`` places them: replica i's parent is (i-1)//fanout)."""
+    deepest = 0
+    for i in range(1, n):
+        d, r = 0, i
+        while r:
+            d, r = d + 1, (r - 1) // fanout
+        deepest = max(deepest, d)
+    return deepest
+
+
+def predict(model: dict[str, Any], n: int, fanout: int) -> float:
+    depth = depth_of(n, fanout)
+    if depth == 0:
+        return float(model["alone_s"])
+    return float(model["alone_s"] + model["lag_s"] + (depth - 1) * model["hop_s"])
+
+
+def _plot(rows: list[dict[str, Any]], path: Path, label: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    counts = sorted({r["n"] for r in rows})
+    for case in CASES:
+        xs = [n for n in counts if any(r["n"] == n and r["case"] == case for r in rows)]
+        ys = [
+            statistics.median(r["weights_s"] for r in rows if r["n"] == n and r["case"] == case)
+            for n in xs
+        ]
+        ax.plot(xs, ys, marker="o", label=case)
+    ax.set_xlabel("replicas started together (TP=1)")
+    ax.set_ylabel("time to the last replica's weights (s, median)")
+    ax.set_title(label, fontsize=9)
+    ax.set_xticks(counts)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-gb", type=float, default=1.0)
+    parser.add_argument("--counts", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--store-mbps", type=float, default=100.0)
+    parser.add_argument("--link-mbps", type=float, default=200.0)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    import ray
+
+    from rayload.loading import open_checkpoint, write_checkpoint
+    from support.s3 import s3_server
+
+    os.environ["RAYLOAD_TEST_HOOKS"] = json.dumps({"peer_link_mbps": args.link_mbps})
+    s3 = s3_server()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_checkpoint(
+            Path(tmp) / "ckpt", size_gb=args.size_gb, num_files=max(2, round(args.size_gb * 48))
+        )
+        size = open_checkpoint(path).tensor_bytes
+        url = s3.upload(path, "bench", "pipeline")
+    s3.proxy.rate = args.store_mbps * 1e6
+    label = (
+        f"{size / 1e6:.0f} MB, store {args.store_mbps:g} MB/s, each peer link "
+        f"{args.link_mbps:g} MB/s (emulated on one host)"
+    )
+    print(f"checkpoint: {label}", flush=True)
+    out = args.out or Path("benchmarks/results") / f"pipeline-{time.strftime('%Y-%m-%dT%H%M%S')}"
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    rows: list[dict[str, Any]] = []
+    try:
+        with tempfile.TemporaryDirectory() as traces:
+            for rnd in range(args.rounds):
+                for n in args.counts:
+                    cases = ["pipelined"] if n == 1 else list(CASES)
+                    if rnd % 2:
+                        cases.reverse()
+                    for case in cases:
+                        row = _load(url, n, case, s3.proxy, Path(traces) / f"{rnd}-{n}-{case}")
+                        row["round"] = rnd
+                        rows.append(row)
+                        print(
+                            f"round {rnd} n={n} {case:9s} weights {row['weights_s']:6.2f} s  "
+                            f"wall {row['wall_s']:6.2f} s  served {row['served'] / size:.3f}x"
+                            + (f"  fallbacks {len(row['fallbacks'])}" if row["fallbacks"] else ""),
+                            flush=True,
+                        )
+    finally:
+        ray.shutdown()
+    model = _model([r for r in rows if r["case"] == "pipelined"], CASES["pipelined"]["peer_fanout"])
+    lines = [f"Checkpoint {label}; {args.rounds} rounds, interleaved.", ""]
+    lines += [
+        "| replicas | pipelined | today's peers | no peers | pipelined / one alone "
+        "| served (pipelined) |",
+        "|---|---|---|---|---|---|",
+    ]
+    alone = model["alone_s"]
+    for n in args.counts:
+
+        def med(case: str, key: str = "weights_s", n: int = n) -> float:
+            values = [r[key] for r in rows if r["n"] == n and r["case"] == case]
+            return statistics.median(values) if values else float("nan")
+
+        served = max(r["served"] for r in rows if r["n"] == n and r["case"] == "pipelined")
+        lines.append(
+            f"| {n} | {med('pipelined'):.2f} s (wall {med('pipelined', 'wall_s'):.2f}) | "
+            f"{med('today'):.2f} s | {med('no-peers'):.2f} s | "
+            f"**{med('pipelined') / alone:.2f}x** | {served / size:.3f}x |"
+        )
+    lines += [
+        "",
+        "Rounds (weights s): "
+        + "; ".join(f"n={r['n']} {r['case']} {r['weights_s']:.2f}" for r in rows),
+    ]
+    lines += [
+        "",
+        f"Model (fitted): one replica alone {model['alone_s']:.2f} s, first hop adds "
+        f"{model['lag_s']:.2f} s, each further level {model['hop_s']:.3f} s; last piece by "
+        f"depth: {', '.join(f'{d}: {t:.2f} s' for d, t in model['by_depth'].items())}",
+        "",
+        "| replicas | depth (fan-out 2) | predicted, fan-out 2 | depth (chain) "
+        "| predicted, chain |",
+        "|---|---|---|---|---|",
+    ]
+    for n in sorted({*args.counts, 100, 1000}):
+        lines.append(
+            f"| {n} | {depth_of(n, 2)} | {predict(model, n, 2):.2f} s | {depth_of(n, 1)} | "
+            f"{predict(model, n, 1):.2f} s |"
+        )
+    text = "\n".join(lines)
+    print("\n" + text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(
+        json.dumps({"label": label, "size": size, "rows": rows, "model": model}, indent=1)
+    )
+    out.with_suffix(".md").write_text(text + "\n")
+    _plot(rows, out.with_suffix(".png"), label)
+    print(f"wrote {out}.json, .md, .png")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

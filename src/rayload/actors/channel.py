@@ -1,0 +1,152 @@
+"""The peer channel's wire: what a holder and a receiver agree on and how the bytes cross.
+
+A channel is a two-rank ``torch.distributed`` gloo group (the holder rank 0, the receiver
+rank 1) meeting in a TCP store the holder hosts (:class:`PeerChannel`: where, and which
+tensors of how many bytes, in order). Both sides cut the tensors into the same
+:func:`pieces` and the holder broadcasts them one by one; :func:`receive` is the
+receiver's half. The holder's half, which waits for each piece to land before it sends
+it, is :class:`~rayload.actors.peers.ShardServer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from rayload.loading.peer import Landed
+
+TRANSFER_TIMEOUT_S = 120.0
+"""The longest either side of a channel waits for the other once both joined (one bucket
+to cross), and for the holder to answer once it has finished loading."""
+
+JOIN_TIMEOUT_S = 30.0
+"""The longest a channel's store waits for its other side: a receiver that never comes, a
+holder that died after it answered."""
+
+BUCKET_BYTES = 8 << 20
+"""Tensors smaller than this travel together, packed into buckets of at most this many
+bytes (one broadcast per bucket, not per tensor: a checkpoint has hundreds of small
+tensors, a norm's weight a few KiB); a larger tensor is sent alone, from and into its
+own memory, in ranges of this many bytes (:func:`pieces`)."""
+
+HOLDER, RECEIVER = 0, 1
+"""The two ranks of a channel's group."""
+
+
+@dataclass(frozen=True)
+class PeerChannel:
+    """What a holder hands a receiver: the rendezvous store of their two-rank group
+    (``host``:``port``), the tensors it will send, in that order, with their byte counts
+    (``sizes[i]`` is ``names[i]``'s), and the bucket size both sides pack them by
+    (:func:`buckets`)."""
+
+    host: str
+    port: int
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    bucket_bytes: int
+
+    @property
+    def nbytes(self) -> dict[str, int]:
+        return dict(zip(self.names, self.sizes, strict=True))
+
+
+def gloo_group(store: Any, rank: int, host: str, timeout_s: float) -> Any:
+    """Rank ``rank`` of a two-rank gloo group meeting in ``store``, its TCP on ``host``
+    (this node's address in the cluster). Blocks until both ranks joined (at most
+    ``timeout_s``)."""
+    import torch.distributed as dist
+
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    options._timeout = timedelta(seconds=timeout_s)
+    return dist.ProcessGroupGloo(store, rank, 2, options)
+
+
+def broadcast(group: Any, tensor: torch.Tensor) -> None:
+    """Send (on the holder) or receive (on the receiver) ``tensor`` whole."""
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank = HOLDER
+    group.broadcast([tensor], options).wait()
+
+
+def receive(
+    channel: PeerChannel,
+    host: str,
+    into: Mapping[str, torch.Tensor],
+    landed: Landed | None = None,
+) -> Iterator[str]:
+    """Join ``channel``'s group as the receiver (this node's address ``host``) and receive
+    each piece into ``into[name]`` (1-D uint8, its byte count), telling ``landed(name,
+    offset, length)`` of each range once its bytes are in place and yielding a tensor's
+    name once all of them are (an empty tensor's at once: nothing is sent for it)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(channel.host, channel.port, 2, False, timedelta(seconds=JOIN_TIMEOUT_S))
+    group = gloo_group(store, RECEIVER, host, TRANSFER_TIMEOUT_S)
+    yield from (name for name, size in zip(channel.names, channel.sizes, strict=True) if not size)
+    for piece in pieces(channel.sizes, channel.bucket_bytes):
+        if len(piece) == 1:
+            [(k, start, stop)] = piece
+            broadcast(group, into[channel.names[k]][start:stop])
+        else:
+            lengths = [b - a for _, a, b in piece]
+            packed = torch.empty(sum(lengths), dtype=torch.uint8)
+            broadcast(group, packed)
+            for (k, _, _), part in zip(piece, packed.split(lengths), strict=True):
+                into[channel.names[k]].copy_(part)
+        for k, start, stop in piece:
+            name = channel.names[k]
+            if landed is not None:
+                landed(name, start, stop - start)
+            if stop == channel.sizes[k]:
+                yield name
+
+
+Piece = tuple[tuple[int, int, int], ...]
+"""One broadcast of a channel: ``(tensor index, start, stop)`` byte ranges, sent together."""
+
+
+def pieces(sizes: Sequence[int], limit: int = BUCKET_BYTES) -> list[Piece]:
+    """The broadcasts of a channel, in order: small tensors packed whole as
+    :func:`buckets` packs them, and each tensor of ``limit`` bytes or more alone, in
+    ranges of ``limit`` bytes (so a receiver can forward the first range of a large
+    tensor before the rest has come). The holder and the receiver compute the same."""
+    out: list[Piece] = []
+    for run in buckets(sizes, limit):
+        if len(run) == 1 and sizes[run[0]] >= limit:
+            k, size = run[0], sizes[run[0]]
+            out.extend(((k, a, min(a + limit, size)),) for a in range(0, size, limit))
+        else:
+            out.append(tuple((k, 0, sizes[k]) for k in run))
+    return out
+
+
+def buckets(sizes: Sequence[int], limit: int = BUCKET_BYTES) -> list[list[int]]:
+    """The broadcasts of a channel: consecutive runs of tensor indices (by byte count
+    ``sizes``), each run at most ``limit`` bytes in all, a tensor of ``limit`` or more alone;
+    empty tensors are in no run (nothing to send). The holder and the receiver compute
+    the same runs from the channel's sizes."""
+    runs: list[list[int]] = []
+    run: list[int] = []
+    total = 0
+    for index, size in enumerate(sizes):
+        if size == 0:
+            continue
+        if run and (size >= limit or total + size > limit):
+            runs.append(run)
+            run, total = [], 0
+        run.append(index)
+        total += size
+        if size >= limit:
+            runs.append(run)
+            run, total = [], 0
+    if run:
+        runs.append(run)
+    return runs
