@@ -72,3 +72,26 @@ def test_a_rank_whose_fetch_fails_fails_the_group_naming_it(
     assert kind == "StorageError", message
     assert message.startswith("rank 1 of the TP group could not fetch"), message
     assert "changed" in message and "models/index/" in message, message
+
+
+def test_a_rank_failing_before_the_agreement_fails_the_group_at_once_naming_it(
+    s3_checkpoints: dict[str, tuple[Path, str]], proxy: Any, tmp_path: Path
+) -> None:
+    """Rank 1 fails in rank.resolve (strict, a method it cannot have), before the group's
+    agreement on the split-1 tensors: rank 0 raises one error naming rank 1 and its
+    cause, well within the group's time-out, and fetches nothing."""
+    import time
+
+    from support.group_ranks import GROUP_TIMEOUT_S
+
+    _, url = s3_checkpoints["index"]
+    started = time.monotonic()
+    results = load_group(open_checkpoint(url), 2, tmp_path, failing_rank=1)
+    took = time.monotonic() - started
+    kind, message = results[1]["error"]
+    assert kind == "MethodUnavailableError", message
+    kind, message = results[0]["error"]
+    assert kind == "StorageError", message
+    assert message.startswith("rank 1 of the TP group failed before the group agreed"), message
+    assert "MethodUnavailableError" in message, message
+    assert took < GROUP_TIMEOUT_S / 2, f"rank 0 waited {took:.0f} s: the group's time-out"

@@ -33,12 +33,21 @@ def _rank(
     out: str,
     changed_rank: int | None,
     batched: bool,
+    failing_rank: int | None = None,
 ) -> None:
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     from rayload.integrations.batches import load_in_batches, merged_report
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=tp,
+        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
+    )
     if rank == changed_rank:  # this rank believes every object has another version
         versions = {k: (size, '"0123456789abcdef"') for k, (size, _) in checkpoint.versions.items()}
         checkpoint = dataclasses.replace(checkpoint, versions=versions)
@@ -51,7 +60,8 @@ def _rank(
             rank,
             tp,
             1 if batched else 0,
-            method="auto",
+            method="fastsafetensors_gdr" if rank == failing_rank else "auto",
+            strict=rank == failing_rank,
             checkpoint=checkpoint,
             group=dist.group.WORLD,
         )
@@ -77,6 +87,10 @@ def _rank(
     torch.save(result, Path(out) / f"rank{rank}.pt")
 
 
+GROUP_TIMEOUT_S = 120
+"""The group's time-out: what a rank left waiting in a collective waits at most."""
+
+
 def load_group(
     checkpoint: Checkpoint,
     tp: int,
@@ -84,14 +98,17 @@ def load_group(
     *,
     changed_rank: int | None = None,
     batched: bool = False,
+    failing_rank: int | None = None,
 ) -> list[dict[str, Any]]:
     """Each rank's result (see the module), by rank. ``checkpoint`` (opened by the
     caller, once) is handed to every rank, as a load's driver does: the ranks send only
     their data GETs. ``changed_rank`` is handed versions that no object has (its GETs
-    fail, 412). ``batched``: in batches of one file each (see the module)."""
+    fail, 412). ``batched``: in batches of one file each (see the module).
+    ``failing_rank`` asks strictly for a method it cannot have (no GPU): it fails in
+    ``rank.resolve``, before the group's agreement."""
     mp.start_processes(
         _rank,
-        args=(tp, checkpoint, free_port(), str(out), changed_rank, batched),
+        args=(tp, checkpoint, free_port(), str(out), changed_rank, batched, failing_rank),
         nprocs=tp,
         start_method="spawn",
     )

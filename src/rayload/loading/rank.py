@@ -28,6 +28,7 @@ from rayload.loading.peer import PeerSource
 from rayload.loading.plan import RankPlan, plan_shards
 from rayload.loading.probe import EnvProbe, probe_environment
 from rayload.loading.reader import ReaderOptions
+from rayload.loading.reader.group import failing_together
 from rayload.loading.report import DESTINATIONS, PLAN, POST_LOAD, RESOLVE, PhaseTimer, RankReport
 from rayload.loading.resolve import LayoutInfo, Resolution, log_fallback, resolve_method
 from rayload.loading.rules import RulesArg
@@ -45,12 +46,10 @@ Into = Mapping[str, torch.Tensor] | Callable[[RankPlan], Mapping[str, torch.Tens
 _MAY_USE_FASTSAFETENSORS = frozenset(
     {LoadMethod.AUTO, LoadMethod.PEER, LoadMethod.FASTSAFETENSORS, LoadMethod.FASTSAFETENSORS_GDR}
 )
-"""Requested methods that may end up running fastsafetensors: only these import it (``peer``
-falls back to what ``auto`` would choose)."""
+"""Requested methods that may end up running fastsafetensors (only these import it)."""
 
 _UNCHECKED_METHODS = frozenset({LoadMethod.FASTSAFETENSORS, LoadMethod.FASTSAFETENSORS_GDR})
-"""Methods that can read a converted checkpoint's rank files but do not check their
-CRC-32s themselves (the converted backend does, while it reads)."""
+"""Methods that read a converted checkpoint's rank files without checking their CRC-32s."""
 
 
 def load_rank(
@@ -285,43 +284,44 @@ def _run(
     check_model_role(model_role)
     storage = storage_for(os.fspath(path))
     before = storage.counters()
-    with timer.phase(RESOLVE, tp_size=tp_size, model_role=model_role) as attrs:
-        attrs["headers_read"] = checkpoint is None
-        if checkpoint is None:
-            checkpoint = open_checkpoint(path)
-        else:
-            storage.adopt(checkpoint.root, checkpoint.versions)
-        requested = parse_method(method)
-        may_use_fst = requested in _MAY_USE_FASTSAFETENSORS
-        env = probe if probe is not None else probe_environment(fastsafetensors=may_use_fst)
-        resolution = resolve_method(
-            requested,
-            env,
-            LayoutInfo.of(checkpoint),
-            tp_size=tp_size,
-            device=device,
-            strict=strict,
-            peer_available=peer is not None,
-            into=into is not None,
-        )
-        attrs.update(
-            {
-                "method.requested": resolution.requested.value,
-                "method.selected": resolution.selected.value,
-                "device": resolution.device,
-                "resolve_reason": resolution.reason,
-            }
-        )
-        if resolution.fallback_reason is not None:
-            attrs["fallback_reason"] = resolution.fallback_reason
-        if resolution.selected in _UNCHECKED_METHODS and checkpoint.layout == "converted":
-            attrs["checksums_verified"] = _verify_rank_files(checkpoint, rank)
-    log_fallback(rank, resolution.requested, resolution.selected, resolution.fallback_reason)
+    with failing_together(group, lambda: checkpoint):
+        with timer.phase(RESOLVE, tp_size=tp_size, model_role=model_role) as attrs:
+            attrs["headers_read"] = checkpoint is None
+            if checkpoint is None:
+                checkpoint = open_checkpoint(path)
+            else:
+                storage.adopt(checkpoint.root, checkpoint.versions)
+            requested = parse_method(method)
+            may_use_fst = requested in _MAY_USE_FASTSAFETENSORS
+            env = probe if probe is not None else probe_environment(fastsafetensors=may_use_fst)
+            resolution = resolve_method(
+                requested,
+                env,
+                LayoutInfo.of(checkpoint),
+                tp_size=tp_size,
+                device=device,
+                strict=strict,
+                peer_available=peer is not None,
+                into=into is not None,
+            )
+            attrs.update(
+                {
+                    "method.requested": resolution.requested.value,
+                    "method.selected": resolution.selected.value,
+                    "device": resolution.device,
+                    "resolve_reason": resolution.reason,
+                }
+            )
+            if resolution.fallback_reason is not None:
+                attrs["fallback_reason"] = resolution.fallback_reason
+            if resolution.selected in _UNCHECKED_METHODS and checkpoint.layout == "converted":
+                attrs["checksums_verified"] = _verify_rank_files(checkpoint, rank)
+        log_fallback(rank, resolution.requested, resolution.selected, resolution.fallback_reason)
 
-    plan = _plan(checkpoint, rank, tp_size, timer, rules, expert_parallel, adjust_plan, plan)
-    if callable(into):
-        with timer.phase(DESTINATIONS, tensors=len(plan.shards)):
-            into = into(plan)
+        plan = _plan(checkpoint, rank, tp_size, timer, rules, expert_parallel, adjust_plan, plan)
+        if callable(into):
+            with timer.phase(DESTINATIONS, tensors=len(plan.shards)):
+                into = into(plan)
 
     backend = BACKENDS[resolution.selected](
         env,

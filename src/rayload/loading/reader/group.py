@@ -24,22 +24,28 @@ same plan):
 * **Failing together.** After each round's read, the ranks exchange whether it
   succeeded (a second ``all_gather_object``). A rank whose read failed raises its own
   error; the others raise an error naming that rank and its cause. No rank waits in a
-  scatter for bytes that will not come. A rank that fails before it gets here (not
-  expected: every rank plans the same checkpoint) leaves the others waiting until the
-  group's timeout, the load's deadline.
+  scatter for bytes that will not come. A rank that fails before the agreement (its
+  method, plan or destinations: :func:`failing_together`) still takes part in it, saying
+  so: the others raise at once, naming it and its cause, instead of waiting out the
+  group's timeout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 
 from rayload.errors import StorageError
 from rayload.loading.plan import RowRanges, TensorShard
 from rayload.loading.reader.readplan import Segment
+from rayload.loading.storage import is_remote
+
+if TYPE_CHECKING:
+    from rayload.loading.checkpoint import Checkpoint
 
 _T = TypeVar("_T")
 
@@ -122,6 +128,13 @@ def plan_share(shards: Sequence[TensorShard], group: Any) -> GroupShare | None:
     every: list[Any] = [None] * size
     runs = {name: _fields(ranges) for name, (_, ranges) in mine.items()}
     dist.all_gather_object(every, (runs, sum(s.nbytes for s in shards)), group=group)
+    if left := [(r, said) for r, said in enumerate(every) if isinstance(said, _Left)]:
+        rank, said = left[0]
+        raise StorageError(
+            f"rank {rank} of the TP group failed before the group agreed on its split-1 "
+            f"tensors: {said.cause}",
+            url=shards[0].files[0] if shards else "",
+        )
     tilings = {
         name: tiling
         for name in mine
@@ -202,6 +215,37 @@ def whole_segments(owned: Sequence[Shared], first_target: int) -> list[Segment]:
     return [
         Segment(s.file, s.start, s.nbytes, first_target + i, 0, s.name) for i, s in enumerate(owned)
     ]
+
+
+@dataclass(frozen=True)
+class _Left:
+    """What a rank that failed before the agreement says in it: its error."""
+
+    cause: str
+
+
+@contextmanager
+def failing_together(group: Any, checkpoint: Callable[[], Checkpoint | None]) -> Iterator[None]:
+    """Run a rank's steps before its group's agreement (:func:`plan_share`): when one
+    raises, and the other ranks are to agree (``group`` given, ``checkpoint()`` a Hugging
+    Face checkpoint in object storage), this rank takes part in the agreement saying it
+    failed, then re-raises: the others raise at once, naming it. A checkpoint this rank
+    could not open is not told (the others meet the same listing and headers)."""
+    try:
+        yield
+    except Exception as exc:
+        opened = checkpoint()
+        if group is not None and opened is not None and _agrees(opened):
+            import torch.distributed as dist
+
+            every: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(every, _Left(_describe(exc)), group=group)
+        raise
+
+
+def _agrees(checkpoint: Checkpoint) -> bool:
+    """Whether the ranks of a TP group loading ``checkpoint`` share its split-1 tensors."""
+    return is_remote(checkpoint.root) and checkpoint.layout != "converted"
 
 
 def checked_round(share: GroupShare, group: Any, read: Callable[[], _T]) -> _T:
