@@ -120,29 +120,27 @@ def _depths(ids: list[str], pieces: list[dict[str, Any]]) -> dict[int, int]:
 
 
 def _model(rows: list[dict[str, Any]], fanout: int) -> dict[str, Any]:
-    """The pipeline's model fitted to the pipelined loads: the last replica's weights
-    time = one replica's (``alone``) + ``lag`` (the first hop: the pieces the storage
-    reader had in flight) + ``hop`` per further level of the tree."""
+    """The pipeline's model, fitted to the pipelined loads: the last replica's weights
+    time = one replica's alone (``alone``) + ``tail`` (how long after its own source
+    the first level has its last piece: a pair of replicas) + ``hop`` per further level
+    (how much later a level's first piece comes than its parent's, within one load)."""
     alone = statistics.median(r["weights_s"] for r in rows if r["n"] == 1)
-    points = []  # (depth, seconds from the first rank's start to that replica's last piece)
+    hops, tails = [], []
     for r in rows:
         if r["n"] < 2:
             continue
         depth = _depths(r["replica_ids"], r["pieces"])
+        first: dict[int, float] = {}
         for p in r["pieces"]:
-            points.append((depth[p["replica"]], (p["end_ns"] - r["first_rank_start_ns"]) / 1e9))
-    by_depth: dict[int, list[float]] = {}
-    for d, t in points:
-        by_depth.setdefault(d, []).append(t)
-    med = {d: statistics.median(ts) for d, ts in sorted(by_depth.items())}
-    lag = med.get(1, alone) - alone
-    deeper = [(d, t) for d, t in med.items() if d >= 2]
-    hop = statistics.median((t - med[1]) / (d - 1) for d, t in deeper) if deeper else 0.0
+            d, at = depth[p["replica"]], (p["start_ns"] - r["first_rank_start_ns"]) / 1e9
+            first[d] = min(first.get(d, at), at)
+            if r["n"] == 2:
+                tails.append((p["end_ns"] - r["first_rank_start_ns"]) / 1e9 - alone)
+        hops += [first[d + 1] - first[d] for d in sorted(first) if d + 1 in first]
     return {
         "alone_s": alone,
-        "lag_s": lag,
-        "hop_s": max(hop, 0.0),
-        "by_depth": med,
+        "tail_s": statistics.median(tails) if tails else 0.0,
+        "hop_s": statistics.median(hops) if hops else 0.0,
         "fanout": fanout,
     }
 
@@ -160,10 +158,62 @@ def depth_of(n: int, fanout: int) -> int:
 
 
 def predict(model: dict[str, Any], n: int, fanout: int) -> float:
+    """The model's time to the last of ``n`` replicas in a tree of fan-out ``fanout``,
+    each with a CPU and a link of its own (what a cluster has and this host has not)."""
     depth = depth_of(n, fanout)
     if depth == 0:
         return float(model["alone_s"])
-    return float(model["alone_s"] + model["lag_s"] + (depth - 1) * model["hop_s"])
+    return float(model["alone_s"] + model["tail_s"] + (depth - 1) * model["hop_s"])
+
+
+def _table(
+    rows: list[dict[str, Any]],
+    model: dict[str, Any],
+    counts: list[int],
+    size: int,
+    label: str,
+    rounds: int,
+) -> list[str]:
+    """The result's markdown: measured medians, every round, the model against them and
+    its predictions."""
+    alone = model["alone_s"]
+    lines = [f"Checkpoint {label}; {rounds} rounds, interleaved.", ""]
+    lines += [
+        "| replicas | pipelined | today's peers | no peers | pipelined / one alone "
+        "| model | served (pipelined) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n in counts:
+
+        def med(case: str, key: str = "weights_s", n: int = n) -> float:
+            values = [r[key] for r in rows if r["n"] == n and r["case"] == case]
+            return statistics.median(values) if values else float("nan")
+
+        served = max(r["served"] for r in rows if r["n"] == n and r["case"] == "pipelined")
+        lines.append(
+            f"| {n} | {med('pipelined'):.2f} s (wall {med('pipelined', 'wall_s'):.2f}) | "
+            f"{med('today'):.2f} s | {med('no-peers'):.2f} s | "
+            f"**{med('pipelined') / alone:.2f}x** | {predict(model, n, 2):.2f} s | "
+            f"{served / size:.3f}x |"
+        )
+    lines += [
+        "",
+        "Rounds (weights s): "
+        + "; ".join(f"n={r['n']} {r['case']} {r['weights_s']:.2f}" for r in rows),
+        "",
+        f"Model (fitted): one replica alone {model['alone_s']:.2f} s; the first level's last "
+        f"piece {model['tail_s']:.2f} s after that; each further level {model['hop_s']:.3f} s",
+        "",
+        "| replicas | depth (fan-out 2) | predicted, fan-out 2 | depth (chain) "
+        "| predicted, chain |",
+        "|---|---|---|---|---|",
+    ]
+    for n in sorted({*counts, 100, 1000}):
+        lines.append(
+            f"| {n} | {depth_of(n, 2)} | {predict(model, n, 2):.2f} s | {depth_of(n, 1)} | "
+            f"{predict(model, n, 1):.2f} s |"
+        )
+    return lines
 
 
 def _plot(rows: list[dict[str, Any]], path: Path, label: str) -> None:
@@ -199,7 +249,23 @@ def main() -> None:
     parser.add_argument("--store-mbps", type=float, default=100.0)
     parser.add_argument("--link-mbps", type=float, default=200.0)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--from-json", type=Path, default=None, help="render a run's OUT.json again, no loads"
+    )
     args = parser.parse_args()
+    if args.from_json is not None:
+        data = json.loads(args.from_json.read_text())
+        rows, out = data["rows"], args.from_json.with_suffix("")
+        counts = sorted({r["n"] for r in rows})
+        rounds = 1 + max(r["round"] for r in rows)
+        model = _model([r for r in rows if r["case"] == "pipelined"], 2)
+        text = "\n".join(_table(rows, model, counts, data["size"], data["label"], rounds))
+        print(text)
+        data["model"] = model
+        out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+        out.with_suffix(".md").write_text(text + "\n")
+        _plot(rows, out.with_suffix(".png"), data["label"])
+        return
 
     import ray
 
@@ -243,45 +309,7 @@ def main() -> None:
     finally:
         ray.shutdown()
     model = _model([r for r in rows if r["case"] == "pipelined"], CASES["pipelined"]["peer_fanout"])
-    lines = [f"Checkpoint {label}; {args.rounds} rounds, interleaved.", ""]
-    lines += [
-        "| replicas | pipelined | today's peers | no peers | pipelined / one alone "
-        "| served (pipelined) |",
-        "|---|---|---|---|---|---|",
-    ]
-    alone = model["alone_s"]
-    for n in args.counts:
-
-        def med(case: str, key: str = "weights_s", n: int = n) -> float:
-            values = [r[key] for r in rows if r["n"] == n and r["case"] == case]
-            return statistics.median(values) if values else float("nan")
-
-        served = max(r["served"] for r in rows if r["n"] == n and r["case"] == "pipelined")
-        lines.append(
-            f"| {n} | {med('pipelined'):.2f} s (wall {med('pipelined', 'wall_s'):.2f}) | "
-            f"{med('today'):.2f} s | {med('no-peers'):.2f} s | "
-            f"**{med('pipelined') / alone:.2f}x** | {served / size:.3f}x |"
-        )
-    lines += [
-        "",
-        "Rounds (weights s): "
-        + "; ".join(f"n={r['n']} {r['case']} {r['weights_s']:.2f}" for r in rows),
-    ]
-    lines += [
-        "",
-        f"Model (fitted): one replica alone {model['alone_s']:.2f} s, first hop adds "
-        f"{model['lag_s']:.2f} s, each further level {model['hop_s']:.3f} s; last piece by "
-        f"depth: {', '.join(f'{d}: {t:.2f} s' for d, t in model['by_depth'].items())}",
-        "",
-        "| replicas | depth (fan-out 2) | predicted, fan-out 2 | depth (chain) "
-        "| predicted, chain |",
-        "|---|---|---|---|---|",
-    ]
-    for n in sorted({*args.counts, 100, 1000}):
-        lines.append(
-            f"| {n} | {depth_of(n, 2)} | {predict(model, n, 2):.2f} s | {depth_of(n, 1)} | "
-            f"{predict(model, n, 1):.2f} s |"
-        )
+    lines = _table(rows, model, args.counts, size, label, args.rounds)
     text = "\n".join(lines)
     print("\n" + text)
     out.parent.mkdir(parents=True, exist_ok=True)
