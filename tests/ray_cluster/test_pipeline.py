@@ -183,3 +183,42 @@ def test_a_replica_killed_mid_pipeline_its_downstream_keeps_what_arrived_and_rea
     assert report.bytes_from_peers + report.bytes_from_storage == shard
     assert outcome["digests"] == _local_digests(local)
     assert s3.proxy.served_bytes(prefix) < 2 * shard  # the cluster never read it twice
+
+
+def test_a_tp_group_sharing_its_split1_fetches_forwards_while_it_loads(
+    s3: S3Server,
+    pipeline_url: tuple[str, Path],
+    slow_link: Callable[[float], None],
+    set_test_hooks: Callable[..., None],
+    trace_reader: Any,
+    tmp_path: Path,
+    no_leaks: Any,
+) -> None:
+    """TP 2: replica 0's ranks fetch each split-1 tensor once between them and scatter
+    the columns (the TP group's sharing); what lands, read or scattered, goes on to
+    replica 1's same rank at once."""
+    url, _local = pipeline_url
+    set_test_hooks(peer_bucket_bytes=PIECE_BYTES)
+    slow_link(8e6)
+    with rayload.load(url, 2, device="cpu", replicas=2, trace_dir=tmp_path, timeout=300) as r:
+        ranks, digests = r.ranks, r.apply(_digests)
+    slow_link(0.0)
+    assert digests[2:] == digests[:2]
+    assert [x.bytes_from_storage == 0 for x in ranks] == [False, False, True, True]
+    assert ranks[0].phases and any(
+        "group.shared_tensors" in p.attributes for p in ranks[0].phases if p.name == "rank.read"
+    ), "replica 0's ranks shared their split-1 tensors"
+    spans = trace_reader(tmp_path)
+    for rank in (0, 1):
+
+        def span(name: str, replica: int, rank: int = rank) -> Any:
+            [found] = [
+                s
+                for s in spans
+                if s.name == name and s.resource.get(schema.REPLICA) == replica and s.rank == rank
+            ]
+            return found
+
+        read_0, pieces_1 = span("rank.read", 0), span(PIECES, 1)
+        assert pieces_1.start_ns < read_0.end_ns - 0.3e9, (read_0.end_ns - pieces_1.start_ns) / 1e9
+        assert pieces_1.attributes["rayload.bytes"] == r.plan.ranks[rank].nbytes

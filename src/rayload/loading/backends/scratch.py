@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rayload.loading.arrivals import Arrivals
 from rayload.loading.backends.base import BackendResult, ReaderBackend, register
 from rayload.loading.methods import LoadMethod
 from rayload.loading.plan import RankPlan
@@ -67,7 +68,7 @@ class ScratchBackend(ReaderBackend):
                 )
             else:
                 buffers, sink, bytes_read = self._read_shared(
-                    share, segments, sizes, device, targets, touched, attrs
+                    plan, share, segments, device, targets, touched, attrs
                 )
             attrs["bytes_read"] = bytes_read
         with timer.phase(TO_DEVICE, device=str(device)):
@@ -91,9 +92,9 @@ class ScratchBackend(ReaderBackend):
 
     def _read_shared(
         self,
+        plan: RankPlan,
         share: GroupShare,
         segments: list[Segment],
-        sizes: list[int],
         device: torch.device,
         targets: Sequence[torch.Tensor],
         touched: set[int] | None,
@@ -102,8 +103,10 @@ class ScratchBackend(ReaderBackend):
         """This rank's other shards and its first round of whole tensors in one read, then
         round by round: scatter, fetch the next whole tensors (``attrs`` of rank.read get
         what was shared)."""
+        sizes = [s.nbytes for s in plan.shards]
         shared, n = share.targets, len(sizes)
         first = share.owned(0)
+        arrivals: list[Arrivals] = []  # what a holder forwards while it loads
 
         def read_first() -> tuple[list[torch.Tensor], Sink, int]:
             return read_segments(
@@ -113,6 +116,8 @@ class ScratchBackend(ReaderBackend):
                 self.options,
                 targets=targets,
                 touched=touched,
+                publish=self._publisher(plan),
+                arrivals_out=arrivals,
             )
 
         buffers, sink, bytes_read = checked_round(share, self.group, read_first)
@@ -136,7 +141,9 @@ class ScratchBackend(ReaderBackend):
                 bytes_read += fetched
             sink.finish()
             started = time.perf_counter()
-            scatter_round(share, round_, self.group, buffers, wholes, touched)
+            scatter_round(
+                share, round_, self.group, buffers, wholes, touched, next(iter(arrivals), None)
+            )
             scatter_s += time.perf_counter() - started
             wholes = []
         attrs.update(

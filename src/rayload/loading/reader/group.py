@@ -45,6 +45,7 @@ from rayload.loading.reader.readplan import Segment
 from rayload.loading.storage import is_remote
 
 if TYPE_CHECKING:
+    from rayload.loading.arrivals import Arrivals
     from rayload.loading.checkpoint import Checkpoint
 
 _T = TypeVar("_T")
@@ -288,10 +289,12 @@ def scatter_round(
     destinations: Sequence[torch.Tensor],
     wholes: Sequence[torch.Tensor],
     touched: set[int] | None,
+    arrivals: Arrivals | None = None,
 ) -> None:
     """Give every rank its columns of round ``round_``'s tensors: ``destinations`` are
     this rank's shard buffers (1-D bytes), ``wholes`` the whole tensors it fetched in
-    this round, in :meth:`GroupShare.owned` order."""
+    this round, in :meth:`GroupShare.owned` order; ``arrivals`` is told of each as it
+    lands (what a holder forwards while it loads)."""
     import torch.distributed as dist
 
     whole = iter(wholes)
@@ -304,3 +307,5 @@ def scatter_round(
             rows = next(whole).view(s.rows, s.row_bytes)
             pieces = [rows[:, c : c + s.width].contiguous().view(-1) for c in s.columns]
         dist.scatter(destinations[s.target], pieces, group=group, group_src=s.owner)
+        if arrivals is not None:
+            arrivals.landed(s.target, 0, destinations[s.target].numel())

@@ -121,10 +121,12 @@ def _pread_batch(
 class Landing:
     """Tells ``arrivals`` which destination bytes a read has filled: as an object store's
     body comes (:meth:`progress`), and all of them once the read is done (:meth:`landed`).
-    Thread-safe (the arrivals are)."""
+    Destinations past the arrivals' tensors (a read's own buffers, such as the TP group's
+    whole tensors) are not told. Thread-safe (the arrivals are)."""
 
     def __init__(self, arrivals: Arrivals) -> None:
-        self._arrivals = arrivals
+        self.arrivals = self._arrivals = arrivals
+        self._count = len(arrivals.sizes)
 
     def progress(self, read: Read) -> Progress | None:
         """``progress(done)`` for ``read``: its first ``done`` bytes are in place (its
@@ -138,13 +140,15 @@ class Landing:
                 covered = min(segment.length, done - (segment.offset - read.offset))
                 if covered <= 0:
                     return
-                arrivals.landed(segment.target, segment.target_offset, covered)
+                if segment.target < self._count:
+                    arrivals.landed(segment.target, segment.target_offset, covered)
 
         return progress
 
     def landed(self, read: Read) -> None:
         for segment in read.segments:
-            self._arrivals.landed(segment.target, segment.target_offset, segment.length)
+            if segment.target < self._count:
+                self._arrivals.landed(segment.target, segment.target_offset, segment.length)
 
 
 def _pread_all(
@@ -289,13 +293,15 @@ def read_segments(
     targets: Sequence[torch.Tensor] = (),
     touched: set[int] | None = None,
     publish: Callable[[Sequence[torch.Tensor]], Arrivals] | None = None,
+    arrivals_out: list[Arrivals] | None = None,
 ) -> tuple[list[torch.Tensor], Sink, int]:
     """Read ``segments`` into one byte buffer of ``sizes[i]`` per destination on
     ``device``. The first destinations are ``targets`` when given: existing byte buffers
     (:func:`byte_view` of resident tensors), filled in place; the others are allocated.
     ``touched`` collects the indices of the destinations the reader began writing.
     ``publish`` (host memory only) is given the buffers before the first read and returns
-    the :class:`~rayload.loading.arrivals.Arrivals` to mark as the bytes land.
+    the :class:`~rayload.loading.arrivals.Arrivals` to mark as the bytes land (appended
+    to ``arrivals_out`` when given, for a caller that fills some destinations itself).
     Returns the buffers, the sink (call ``finish()`` before using device buffers) and the
     bytes read."""
     remote = bool(segments) and is_remote(segments[0].file)
@@ -317,6 +323,8 @@ def read_segments(
     landing = None
     if publish is not None and device.type == "cpu":  # the host sink reads in place
         landing = Landing(publish(buffers))
+        if arrivals_out is not None:
+            arrivals_out.append(landing.arrivals)
     chunk = settings.chunk_bytes
     batches = batch_reads(plan_reads(segments, chunk), chunk)
     return buffers, sink, run_reads(batches, sink, settings, on_read=on_read, landing=landing)
