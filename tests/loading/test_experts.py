@@ -79,6 +79,14 @@ def test_each_rank_reads_only_its_experts_whole(
         # bytes_read and the file reads themselves: its experts + its other shards, no more.
         expected = bytes_to_read(plan.ranks[rank].shards)
         assert report.bytes_read == expected
+        # rchar is the whole process's: other threads of the test session (a Ray driver's,
+        # a background run's pipes) add to it, never subtract. Of a few loads, the least.
+        for _ in range(3):
+            if read < expected + 64 * 1024:
+                break
+            before = rchar()
+            load_rank(path, rank, tp, method="scratch", expert_parallel=True)
+            read = min(read, rchar() - before)
         assert expected <= read < expected + 64 * 1024  # + headers and config
     assert plan.replicated_bytes == tp_plan.replicated_bytes  # experts are held, not replicated
 
