@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from rayload.loading.arrivals import Arrivals
+from rayload.loading.arrivals import Arrivals, Publish
 from rayload.loading.backends.base import BACKENDS, Backend, BackendResult, register, synchronize
 from rayload.loading.dtypes import torch_dtype
 from rayload.loading.methods import LoadMethod
@@ -108,10 +108,7 @@ class PeerBackend(Backend):
         them all. The load does not start over; the result (``effective``: the storage
         method) names the switch and how much came from where."""
         missing = set(arrivals.missing())
-        assert self.storage is not None
-        storage = BACKENDS[self.storage](
-            self.probe, checkpoint=self.checkpoint, options=self.options
-        )
+        storage = self._storage_backend(publish=None)  # the arrivals are marked here
         rest = replace(plan, shards=tuple(s for s in plan.shards if s.name in missing))
         views = [_bytes(h) for s, h in zip(plan.shards, hosts, strict=True) if s.name in missing]
         with timer.tagged(source=STORAGE_SOURCE):
@@ -124,7 +121,6 @@ class PeerBackend(Backend):
             f"of {len(plan.shards)} tensors ({received} bytes) had arrived and were kept, the "
             f"other {len(missing)} ({rest.nbytes} bytes) were read from storage"
         )
-        reasons = [reason, *([result.fallback_reason] if result.fallback_reason else [])]
         return self._to_device(
             plan,
             device,
@@ -133,7 +129,7 @@ class PeerBackend(Backend):
             received,
             peer,
             bytes_read=result.bytes_read,
-            fallback_reason="; ".join(reasons),
+            fallback_reason=_joined(reason, result),
         )
 
     def _peer(self) -> PeerSource:
@@ -156,15 +152,23 @@ class PeerBackend(Backend):
         """Read ``plan`` with the storage method, its phases tagged ``source=storage``;
         the result says the peer failed and why (joined with the storage method's own
         fallback reason, when it has one)."""
-        assert self.storage is not None
-        storage = BACKENDS[self.storage](
-            self.probe, checkpoint=self.checkpoint, options=self.options, publish=self.publish
-        )
+        storage = self._storage_backend(publish=self.publish)
         with timer.tagged(source=STORAGE_SOURCE):
             result = storage._load(plan, device, timer)
         reason = f"{peer.describe()} failed mid-transfer: {failure}; read from storage instead"
-        reasons = [reason, *([result.fallback_reason] if result.fallback_reason else [])]
-        return replace(result, fallback_reason="; ".join(reasons))
+        return replace(result, fallback_reason=_joined(reason, result))
+
+    def _storage_backend(self, *, publish: Publish | None) -> Backend:
+        """The storage method's backend, for what the peer did not give."""
+        assert self.storage is not None
+        return BACKENDS[self.storage](
+            self.probe, checkpoint=self.checkpoint, options=self.options, publish=publish
+        )
+
+
+def _joined(reason: str, result: BackendResult) -> str:
+    """``reason``, then the storage method's own fallback reason when it has one."""
+    return "; ".join([reason, *([result.fallback_reason] if result.fallback_reason else [])])
 
 
 PIECES = "rank.peer_pieces"
