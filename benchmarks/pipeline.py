@@ -2,7 +2,8 @@
 peers and no peers, side by side in one run (issue #31).
 
     PYTHONPATH=src:tests python benchmarks/pipeline.py [--size-gb 1] [--counts 1 2 4 8]
-        [--rounds 2] [--store-mbps 100] [--link-mbps 200] [--out benchmarks/results/NAME]
+        [--rounds 2] [--store-mbps 100] [--link-mbps 200] [--cases ...] [--warmup 1]
+        [--out benchmarks/results/NAME]
 
 The store is moto on 127.0.0.1 behind the tests' counting proxy (tests/support/s3.py),
 which sends bodies at ``--store-mbps`` for all connections together, as one link to a
@@ -15,10 +16,14 @@ Cases, for each replica count ``n`` (TP=1, ``n`` replicas in one ``rayload.load`
 * ``pipelined``: the default (``peer_fanout=2``): replicas still loading forward each
   piece as it lands;
 * ``today``: ``peer_fanout=0``, the replicas receive once their holder has loaded;
-* ``no-peers``: ``method="scratch"``, every replica reads the store.
+* ``no-peers``: ``method="scratch"``, every replica reads the store;
+* ``no-prefault`` (only with ``--cases``): ``pipelined`` with no rank faulting in its new
+  memory ahead of the bytes (the ``prefault`` test hook).
 
 Interleaved: each round runs every (count, case) once, the cases alternating within a
-count. Per load: the wall time of ``rayload.load`` (the rank actors' start-up included),
+count, after ``--warmup`` unrecorded loads (default 1) of the largest count: this VM backs
+its memory lazily, so the first touch of a page costs far more than later ones and the
+first rounds would be slower whatever ran in them. Per load: the wall time of ``rayload.load`` (the rank actors' start-up included),
 the weights' time (first rank's ``rank.load`` start to the last one's end, from the
 reports) and the bytes the server sent. From the written trace, each replica's
 ``rank.peer_pieces`` (from whom, first and last piece) feeds the model of the pipeline
@@ -44,7 +49,12 @@ CASES = {
     "pipelined": {"peer_fanout": 2},
     "today": {"peer_fanout": 0},
     "no-peers": {"method": "scratch"},
+    "no-prefault": {"peer_fanout": 2},
 }
+DEFAULT_CASES = ["pipelined", "today", "no-peers"]
+HOOKS = {"no-prefault": {"prefault": False}}
+"""Test hooks a case adds to the link's (``no-prefault``: pipelined, no rank faulting in
+its new memory ahead of the bytes; run it with ``--cases``)."""
 
 
 def _pieces(trace_dir: Path) -> list[dict[str, Any]]:
@@ -75,9 +85,13 @@ def _pieces(trace_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def _load(url: str, n: int, case: str, proxy: Any, trace_dir: Path) -> dict[str, Any]:
+def _load(
+    url: str, n: int, case: str, proxy: Any, trace_dir: Path, link_mbps: float
+) -> dict[str, Any]:
     import rayload
 
+    hooks = {"peer_link_mbps": link_mbps, **HOOKS.get(case, {})}
+    os.environ["RAYLOAD_TEST_HOOKS"] = json.dumps(hooks)
     prefix = url.removeprefix("s3://") + "/"
     proxy.clear()
     started = time.perf_counter()
@@ -124,7 +138,7 @@ def _model(rows: list[dict[str, Any]], fanout: int) -> dict[str, Any]:
     time = one replica's alone (``alone``) + ``tail`` (how long after its own source
     the first level has its last piece: a pair of replicas) + ``hop`` per further level
     (how much later a level's first piece comes than its parent's, within one load)."""
-    alone = statistics.median(r["weights_s"] for r in rows if r["n"] == 1)
+    alone = statistics.median([r["weights_s"] for r in rows if r["n"] == 1] or [float("nan")])
     hops, tails = [], []
     for r in rows:
         if r["n"] < 2:
@@ -200,6 +214,7 @@ def _table(
         "",
         "Rounds (weights s): "
         + "; ".join(f"n={r['n']} {r['case']} {r['weights_s']:.2f}" for r in rows),
+        *_prefault_lines(rows),
         "",
         f"Model (fitted): one replica alone {model['alone_s']:.2f} s; the first level's last "
         f"piece {model['tail_s']:.2f} s after that; each further level {model['hop_s']:.3f} s",
@@ -214,6 +229,28 @@ def _table(
             f"{predict(model, n, 1):.2f} s |"
         )
     return lines
+
+
+def _prefault_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """``no-prefault`` against ``pipelined``, the two loads of each round and count side by
+    side (their ratio; the median of those), when the run had that case."""
+    pairs = []
+    for r in rows:
+        if r["case"] != "no-prefault":
+            continue
+        [p] = [
+            q for q in rows if (q["n"], q["round"], q["case"]) == (r["n"], r["round"], "pipelined")
+        ]
+        pairs.append((r["n"], r["round"], p["weights_s"], r["weights_s"]))
+    if not pairs:
+        return []
+    each = "; ".join(f"n={n} round {k}: {a:.2f} vs {b:.2f} s" for n, k, a, b in pairs)
+    ratio = statistics.median(b / a for _, _, a, b in pairs)
+    return [
+        "",
+        f"Prefault (pipelined vs no-prefault, same round): {each}; "
+        f"median no-prefault / pipelined {ratio:.3f}x",
+    ]
 
 
 def _plot(rows: list[dict[str, Any]], path: Path, label: str) -> None:
@@ -248,6 +285,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--store-mbps", type=float, default=100.0)
     parser.add_argument("--link-mbps", type=float, default=200.0)
+    parser.add_argument(
+        "--cases", nargs="+", choices=list(CASES), default=DEFAULT_CASES, help="cases to run"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="unrecorded pipelined loads of the largest count first (this VM backs its "
+        "memory lazily: a page's first touch costs far more than later ones)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
         "--from-json", type=Path, default=None, help="render a run's OUT.json again, no loads"
@@ -272,7 +319,6 @@ def main() -> None:
     from rayload.loading import open_checkpoint, write_checkpoint
     from support.s3 import s3_server
 
-    os.environ["RAYLOAD_TEST_HOOKS"] = json.dumps({"peer_link_mbps": args.link_mbps})
     s3 = s3_server()
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(
@@ -291,13 +337,30 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     try:
         with tempfile.TemporaryDirectory() as traces:
+            for k in range(args.warmup):
+                row = _load(
+                    url,
+                    max(args.counts),
+                    "pipelined",
+                    s3.proxy,
+                    Path(traces) / f"warmup-{k}",
+                    args.link_mbps,
+                )
+                print(f"warm-up n={row['n']} weights {row['weights_s']:6.2f} s", flush=True)
             for rnd in range(args.rounds):
                 for n in args.counts:
-                    cases = ["pipelined"] if n == 1 else list(CASES)
+                    cases = ["pipelined"] if n == 1 else list(args.cases)
                     if rnd % 2:
                         cases.reverse()
                     for case in cases:
-                        row = _load(url, n, case, s3.proxy, Path(traces) / f"{rnd}-{n}-{case}")
+                        row = _load(
+                            url,
+                            n,
+                            case,
+                            s3.proxy,
+                            Path(traces) / f"{rnd}-{n}-{case}",
+                            args.link_mbps,
+                        )
                         row["round"] = rnd
                         rows.append(row)
                         print(

@@ -9,6 +9,7 @@ ranks) against replicas that read storage; storage reads are the ranks' own ``rc
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 import threading
 import time
@@ -115,6 +116,8 @@ def test_second_load_receives_every_tensor_bit_identical_and_reads_no_tensor_byt
         reads = [s for s in spans if s.name == "rank.read"]
         assert {s.attributes["rayload.source"].split()[0] for s in reads} == {"peer"}
         assert {s.attributes["rayload.peer.via"] for s in reads} == {"gloo"}
+        prefaulted = re.compile(r"\d+ bytes mapped ahead|off: this kernel has no madvise")
+        assert all(prefaulted.fullmatch(s.attributes["rayload.peer.prefault"]) for s in reads)
         # Only headers (and Ray's small messages) were read: far below the shards.
         rchar = _rank_rchar(tmp_path, trace_reader)
         assert len(rchar) == 2 and max(rchar.values()) < second.plan.ranks[0].nbytes / 2

@@ -22,7 +22,9 @@ after the first bucket, e.g. ``{"0": 5}``, so a test can stop the holder mid-tra
 ``peer_bucket_bytes`` makes the loaded ranks pack their tensors into buckets of that many
 bytes (several buckets from a small checkpoint); ``peer_link_mbps`` paces every rank's
 sends to that many MB/s each, as links of that speed between machines would (the peer
-benchmarks emulate a cluster's network on one host with it: label such figures so).
+benchmarks emulate a cluster's network on one host with it: label such figures so);
+``prefault: false`` stops every rank from faulting in its new memory ahead of the bytes
+(:mod:`rayload.loading.reader.pages`), for the benchmarks that measure what it buys.
 
 Besides the load phases (``rank.resolve`` ... ``rank.post_load``), ``phase`` may be
 ``actor.init``: the fault then fires in the actor's ``__init__`` (a rank that never starts).
@@ -85,6 +87,7 @@ class TestHooks(BaseModel):
     peer_pause_s: dict[int, float] = {}
     peer_bucket_bytes: int | None = None
     peer_link_mbps: float | None = None
+    prefault: bool = True
 
     @field_validator("probe_overrides")
     @classmethod

@@ -69,6 +69,7 @@ from rayload.loading.model import (
 )
 from rayload.loading.probe import EnvProbe, probe_environment, read_chars
 from rayload.loading.rank import PostLoad, reload_rank
+from rayload.loading.reader import pages
 from rayload.loading.report import PhaseTimer, RankReport
 from rayload.loading.storage import storage_deadline
 from rayload.tracing.rank_spans import engine_spans_payload, rank_spans_payload, report_attributes
@@ -106,12 +107,15 @@ class RankActor:
     """Rank ``rank``'s actor.
 
     ``clock_skew_ns``, ``fault``, ``probe_overrides``, ``peer_pause_s``,
-    ``peer_bucket_bytes`` and ``peer_link_mbps`` are TEST HOOKS: the first shifts every
-    time the actor reports (phases, spans, :meth:`clock`) to model another node's clock;
+    ``peer_bucket_bytes``, ``peer_link_mbps`` and ``prefault`` are TEST HOOKS: the
+    first shifts every time the actor reports (phases, spans, :meth:`clock`) to model
+    another node's clock;
     the second makes this rank fail on purpose; the third changes what this rank's
     environment probe reports; the fourth pauses this rank's sending to a receiver after
     its first piece; the fifth sets the size of those pieces; the sixth paces its sends
-    as a link of that speed (see :mod:`rayload.actors.hooks`).
+    as a link of that speed; the seventh, False, stops this rank from faulting in its new
+    memory ahead of the bytes (:mod:`rayload.loading.reader.pages`; see
+    :mod:`rayload.actors.hooks`).
 
     Once loaded, the rank is a *holder* for other replicas: :meth:`open_channel`,
     :meth:`shared_copy` and :meth:`peer_ping` run in the actor's ``peer`` concurrency
@@ -129,7 +133,9 @@ class RankActor:
         peer_pause_s: float = 0.0,
         peer_bucket_bytes: int | None = None,
         peer_link_mbps: float | None = None,
+        prefault: bool = True,
     ) -> None:
+        pages.enabled = prefault
         self._skew_ns = clock_skew_ns
         self._shards = ShardServer(
             pause_s=peer_pause_s, bucket_bytes=peer_bucket_bytes, link_mbps=peer_link_mbps

@@ -124,6 +124,7 @@ class RankActorGroup:
                 peer_pause_s=self.hooks.peer_pause_s.get(rank, 0.0),
                 peer_bucket_bytes=self.hooks.peer_bucket_bytes,
                 peer_link_mbps=self.hooks.peer_link_mbps,
+                prefault=self.hooks.prefault,
             )
             self.actors.append(actor)
             waiting[actor.ready.remote()] = rank

@@ -31,6 +31,7 @@ from rayload.loading.peer import (
     source_label,
 )
 from rayload.loading.plan import RankPlan
+from rayload.loading.reader.pages import Prefaulter
 from rayload.loading.reader.reads import byte_view
 from rayload.loading.report import READ, STORAGE_SOURCE, TO_DEVICE, PhaseRecord, PhaseTimer
 
@@ -49,6 +50,7 @@ class PeerBackend(Backend):
             names = [s.name for s in plan.shards]
             arrivals = (self.publish or Arrivals)(names, views)
             pieces = _Pieces(arrivals, timer.clock)
+            prefault = Prefaulter(views)
             try:
                 received = receive_shards(plan, peer, views, pieces.landed)
             except PeerUnavailable as exc:
@@ -56,6 +58,8 @@ class PeerBackend(Backend):
                 attrs["peer.error"] = str(exc)
             else:
                 attrs["bytes_from_peers"] = received
+            finally:
+                attrs["peer.prefault"] = prefault.stop()
             if peer.via:
                 attrs["peer.via"] = peer.via
         pieces.record(timer, source_label(peer))

@@ -10,15 +10,28 @@ in with one system call instead: :func:`prefault` does it for a read's destinati
 on the reader thread that is about to read into it, so the threads of a load share the
 work. It changes no byte (the pages read as zeros until the read writes them) and is
 skipped where the kernel lacks it or the range is under :data:`PREFAULT_BYTES`.
+
+A peer receiver's destinations are many tensors, written as the network delivers, while
+its CPU mostly waits: :class:`Prefaulter` faults them in beforehand from a thread of the
+lowest CPU priority (nice 19: CPU time nothing else wants), in the order they will be
+written, every tensor however small (adjacent ones share one call). Mapping pages changes
+no byte, so it may run ahead of, beside or behind the writer with no race.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
+import errno
 import functools
 import mmap
+import os
+import threading
+from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 MADV_POPULATE_WRITE = 23
 """Linux's ``madvise`` advice: populate (prefault) page tables writable (since 5.14)."""
@@ -51,15 +64,87 @@ def prefault(view: memoryview) -> None:
     """Fault in the whole pages inside ``view`` (a writable buffer about to be written
     whole) at once; a no-op for small views and where ``MADV_POPULATE_WRITE`` is
     unsupported (then never tried again in this process)."""
-    global _unsupported
-    if _unsupported or not enabled or view.nbytes < PREFAULT_BYTES:
+    if view.nbytes < PREFAULT_BYTES:
         return
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    _populate(-(-address // _PAGE) * _PAGE, (address + view.nbytes) // _PAGE * _PAGE)
+
+
+def _populate(start: int, end: int) -> bool:
+    """``MADV_POPULATE_WRITE`` over the pages ``start .. end`` (page-aligned addresses);
+    False when it did nothing: turned off, unsupported (then never tried again in this
+    process) or refused for this range (ENOMEM: no longer mapped, the writer maps it)."""
+    global _unsupported
+    if _unsupported or not enabled or end <= start:
+        return False
     madvise = _madvise()
     if madvise is None:
         _unsupported = True
-        return
-    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
-    start = -(-address // _PAGE) * _PAGE
-    end = (address + view.nbytes) // _PAGE * _PAGE
-    if end > start and madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
-        _unsupported = True  # EINVAL before 5.14: fault page by page, as before
+        return False
+    if madvise(start, end - start, MADV_POPULATE_WRITE) == 0:
+        return True
+    if ctypes.get_errno() == errno.EINVAL:  # before 5.14: fault page by page, as before
+        _unsupported = True
+    return False
+
+
+STEP_BYTES = 16 << 20
+"""The most bytes one call of a :class:`Prefaulter` maps, so that it sees ``stop`` soon."""
+JOIN_S = 1.0
+"""How long :meth:`Prefaulter.stop` waits for the thread's last call. Not waiting longer
+is safe: mapping pages changes no byte, wherever they have gone since."""
+
+
+def page_ranges(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """The pages ``[start, end)`` (addresses) holding ``tensors`` (contiguous CPU tensors),
+    in order, ranges that touch or overlap merged."""
+    ranges: list[tuple[int, int]] = []
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0 or tensor.device.type != "cpu":
+            continue
+        start = tensor.data_ptr() // _PAGE * _PAGE
+        end = -(-(tensor.data_ptr() + nbytes) // _PAGE) * _PAGE
+        if ranges and ranges[-1][0] <= start <= ranges[-1][1]:
+            ranges[-1] = (ranges[-1][0], max(ranges[-1][1], end))
+        else:
+            ranges.append((start, end))
+    return ranges
+
+
+class Prefaulter:
+    """Faults in the pages of ``tensors`` (fresh CPU tensors about to be written, in that
+    order) from a background thread at nice 19, until done or :meth:`stop`. ``mapped``
+    counts the bytes it mapped."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.mapped = 0
+        self._ranges = page_ranges(tensors)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rayload-prefault", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        # Refused (a sandbox): at the process's priority then, still off the writer's thread.
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        for start, end in self._ranges:
+            for at in range(start, end, STEP_BYTES):
+                if self._stop.is_set():
+                    return
+                stop = min(at + STEP_BYTES, end)
+                if _populate(at, stop):
+                    self.mapped += stop - at
+                elif _unsupported or not enabled:
+                    return
+
+    def stop(self) -> str:
+        """Stop the thread (waiting at most :data:`JOIN_S`); what it did, in words (for a
+        span's attribute)."""
+        self._stop.set()
+        self._thread.join(JOIN_S)
+        if not enabled:
+            return "off"
+        if _unsupported:
+            return "off: this kernel has no madvise(MADV_POPULATE_WRITE) (Linux 5.14+)"
+        return f"{self.mapped} bytes mapped ahead"
