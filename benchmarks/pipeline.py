@@ -23,9 +23,10 @@ Cases, for each replica count ``n`` (TP=1, ``n`` replicas in one ``rayload.load`
 Interleaved: each round runs every (count, case) once, the cases alternating within a
 count, after ``--warmup`` unrecorded loads (default 1) of the largest count: this VM backs
 its memory lazily, so the first touch of a page costs far more than later ones and the
-first rounds would be slower whatever ran in them. Per load: the wall time of ``rayload.load`` (the rank actors' start-up included),
-the weights' time (first rank's ``rank.load`` start to the last one's end, from the
-reports) and the bytes the server sent. From the written trace, each replica's
+first rounds would be slower whatever ran in them. Per load: the wall time of
+``rayload.load`` (the rank actors' start-up included), the weights' time (first rank's
+``rank.load`` start to the last one's end, from the reports) and the bytes the server
+sent. From the written trace, each replica's
 ``rank.peer_pieces`` (from whom, first and last piece) feeds the model of the pipeline
 (docs/benchmarks.md): the time one more level of the tree adds.
 
@@ -57,24 +58,28 @@ HOOKS = {"no-prefault": {"prefault": False}}
 its new memory ahead of the bytes; run it with ``--cases``)."""
 
 
-def _pieces(trace_dir: Path) -> list[dict[str, Any]]:
-    """Each ``rank.peer_pieces`` span of the trace: replica, source, first and last piece
-    (ns), pieces, bytes."""
+def _pieces(trace_dir: Path) -> tuple[list[dict[str, Any]], int | None]:
+    """Each ``rank.peer_pieces`` span of the trace (replica, source, first and last piece
+    in ns, pieces, bytes), and when the first ``rank.read`` of a replica that received
+    nothing from a peer began (ns): the store's first bytes come right after."""
     data = json.loads((trace_dir / "trace.otlp.json").read_text())
-    out = []
+    out, reads = [], []
     for resource_spans in data["resourceSpans"]:
         resource = {
             a["key"]: next(iter(a["value"].values()))
             for a in resource_spans.get("resource", {}).get("attributes", [])
         }
+        replica = int(resource.get("rayload.replica", 0))
         for scope in resource_spans["scopeSpans"]:
             for span in scope["spans"]:
+                if span["name"] == "rank.read":
+                    reads.append((replica, int(span["startTimeUnixNano"])))
                 if span["name"] != "rank.peer_pieces":
                     continue
                 attrs = {a["key"]: next(iter(a["value"].values())) for a in span["attributes"]}
                 out.append(
                     {
-                        "replica": int(resource.get("rayload.replica", 0)),
+                        "replica": replica,
                         "source": attrs["rayload.source"],
                         "start_ns": int(span["startTimeUnixNano"]),
                         "end_ns": int(span["endTimeUnixNano"]),
@@ -82,7 +87,9 @@ def _pieces(trace_dir: Path) -> list[dict[str, Any]]:
                         "bytes": int(attrs["rayload.bytes"]),
                     }
                 )
-    return out
+    receivers = {p["replica"] for p in out}
+    store = [ns for replica, ns in reads if replica not in receivers]
+    return out, min(store) if store else None
 
 
 def _load(
@@ -102,6 +109,7 @@ def _load(
         ranks = result.ranks
         ids = list(result.replica_ids)
     served = proxy.served_bytes(prefix)
+    pieces, store_read_ns = _pieces(trace_dir) if n > 1 and case != "no-peers" else ([], None)
     return {
         "n": n,
         "case": case,
@@ -112,7 +120,8 @@ def _load(
         "from_peers": [r.bytes_from_peers for r in ranks],
         "fallbacks": [r.method.fallback_reason for r in ranks if r.method.fallback_reason],
         "replica_ids": ids,
-        "pieces": _pieces(trace_dir) if n > 1 and case != "no-peers" else [],
+        "pieces": pieces,
+        "store_read_ns": store_read_ns,
         "first_rank_start_ns": min(r.start_ns for r in ranks),
     }
 
@@ -187,6 +196,7 @@ def _table(
     size: int,
     label: str,
     rounds: int,
+    store_mbps: float,
 ) -> list[str]:
     """The result's markdown: measured medians, every round, the model against them and
     its predictions."""
@@ -215,6 +225,7 @@ def _table(
         "Rounds (weights s): "
         + "; ".join(f"n={r['n']} {r['case']} {r['weights_s']:.2f}" for r in rows),
         *_prefault_lines(rows),
+        *_first_piece_lines(rows, store_mbps),
         "",
         f"Model (fitted): one replica alone {model['alone_s']:.2f} s; the first level's last "
         f"piece {model['tail_s']:.2f} s after that; each further level {model['hop_s']:.3f} s",
@@ -229,6 +240,31 @@ def _table(
             f"{predict(model, n, 1):.2f} s |"
         )
     return lines
+
+
+def _first_piece_lines(rows: list[dict[str, Any]], store_mbps: float) -> list[str]:
+    """How long after the store's read began every receiver of a pipelined load had its
+    first piece (the latest receiver; per count, each round), beside one full piece's
+    time at the store's rate."""
+    each = []
+    for n in sorted({r["n"] for r in rows}):
+        late = [
+            max(p["start_ns"] for p in r["pieces"]) - r["store_read_ns"]
+            for r in rows
+            if r["n"] == n and r["case"] == "pipelined" and r["pieces"] and r["store_read_ns"]
+        ]
+        if late:
+            each.append(f"n={n} " + " / ".join(f"{ns / 1e9:.2f}" for ns in late) + " s")
+    if not each:
+        return []
+    from rayload.actors.channel import BUCKET_BYTES
+
+    return [
+        "",
+        "Every receiver's first piece, after the store's read began (the latest receiver, "
+        f"each round): {'; '.join(each)}; one {BUCKET_BYTES >> 20} MiB piece at the store's "
+        f"rate takes {BUCKET_BYTES / (store_mbps * 1e6):.3f} s",
+    ]
 
 
 def _prefault_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -306,7 +342,10 @@ def main() -> None:
         counts = sorted({r["n"] for r in rows})
         rounds = 1 + max(r["round"] for r in rows)
         model = _model([r for r in rows if r["case"] == "pipelined"], 2)
-        text = "\n".join(_table(rows, model, counts, data["size"], data["label"], rounds))
+        table = _table(
+            rows, model, counts, data["size"], data["label"], rounds, data.get("store_mbps", 100.0)
+        )
+        text = "\n".join(table)
         print(text)
         data["model"] = model
         out.with_suffix(".json").write_text(json.dumps(data, indent=1))
@@ -372,12 +411,21 @@ def main() -> None:
     finally:
         ray.shutdown()
     model = _model([r for r in rows if r["case"] == "pipelined"], CASES["pipelined"]["peer_fanout"])
-    lines = _table(rows, model, args.counts, size, label, args.rounds)
+    lines = _table(rows, model, args.counts, size, label, args.rounds, args.store_mbps)
     text = "\n".join(lines)
     print("\n" + text)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(
-        json.dumps({"label": label, "size": size, "rows": rows, "model": model}, indent=1)
+        json.dumps(
+            {
+                "label": label,
+                "size": size,
+                "store_mbps": args.store_mbps,
+                "rows": rows,
+                "model": model,
+            },
+            indent=1,
+        )
     )
     out.with_suffix(".md").write_text(text + "\n")
     _plot(rows, out.with_suffix(".png"), label)

@@ -323,3 +323,31 @@ def test_buckets_pack_small_tensors_send_large_ones_alone_and_skip_empty_ones() 
     assert all(sum(sizes[i] for i in run) <= 5 or len(run) == 1 for run in runs)
     assert buckets([4, 1, 1], limit=6) == [[0, 1, 2]]
     assert buckets([0, 0], limit=5) == []
+
+
+def test_pieces_ramp_up_then_cover_every_byte_once_in_order() -> None:
+    import random
+
+    from rayload.actors.channel import RAMP_PIECES, pieces
+
+    # One large tensor: ranges of a sixteenth, an eighth, a quarter, a half, then whole.
+    assert [b - a for ((_, a, b),) in pieces([1000], limit=64)][:7] == [4, 8, 16, 32, 64, 64, 64]
+    # Small tensors: the first packed pieces are small too, later ones fill the limit.
+    assert [len(p) for p in pieces([1] * 64, limit=16)] == [1, 2, 4, 8, 16, 16, 16, 1]
+    rng = random.Random(31)
+    for _ in range(200):
+        sizes = [rng.choice([0, 1, 3, 40, 64, 65, 200]) for _ in range(rng.randrange(1, 30))]
+        out = pieces(sizes, limit=64)
+        ranges = [r for piece in out for r in piece]
+        # Every byte of every tensor exactly once, in order (empty tensors in no piece).
+        for k, size in enumerate(sizes):
+            mine = [(a, b) for j, a, b in ranges if j == k]
+            assert [a for a, _ in mine] == [0, *[b for _, b in mine][:-1]] if size else not mine
+            assert not size or mine[-1][1] == size
+        assert [j for j, _, _ in ranges] == sorted(j for j, _, _ in ranges)
+        for i, piece in enumerate(out):
+            cap = 64 >> max(RAMP_PIECES - i, 0)
+            # No piece is over its cap; several tensors in one are each whole (a tensor
+            # that does not fit goes alone, in ranges).
+            assert sum(b - a for _, a, b in piece) <= cap
+            assert len(piece) == 1 or all(a == 0 and b == sizes[j] for j, a, b in piece)

@@ -31,7 +31,8 @@ BUCKET_BYTES = 8 << 20
 """Tensors smaller than this travel together, packed into buckets of at most this many
 bytes (one broadcast per bucket, not per tensor: a checkpoint has hundreds of small
 tensors, a norm's weight a few KiB); a larger tensor is sent alone, from and into its
-own memory, in ranges of this many bytes (:func:`pieces`)."""
+own memory, in ranges of this many bytes (:func:`pieces`; the first pieces are smaller,
+:data:`RAMP_PIECES`)."""
 
 HOLDER, RECEIVER = 0, 1
 """The two ranks of a channel's group."""
@@ -113,18 +114,44 @@ Piece = tuple[tuple[int, int, int], ...]
 """One broadcast of a channel: ``(tensor index, start, stop)`` byte ranges, sent together."""
 
 
+RAMP_PIECES = 4
+"""A channel's first pieces are smaller: a sixteenth of the piece size, then an eighth, a
+quarter, a half, then whole. A holder still loading sends a piece once all of its bytes
+have landed, and the storage reader fills many ranges at once, each at a fraction of the
+store's rate; small first pieces let the first bytes cross (and go on down the tree)
+soon after they land, instead of once a whole piece's worth has."""
+
+
 def pieces(sizes: Sequence[int], limit: int = BUCKET_BYTES) -> list[Piece]:
-    """The broadcasts of a channel, in order: small tensors packed whole as
-    :func:`buckets` packs them, and each tensor of ``limit`` bytes or more alone, in
-    ranges of ``limit`` bytes (so a receiver can forward the first range of a large
-    tensor before the rest has come). The holder and the receiver compute the same."""
+    """The broadcasts of a channel, in order: at most ``limit`` bytes each (less for the
+    first :data:`RAMP_PIECES`), consecutive small tensors packed whole, and a tensor that
+    does not fit a piece of its own sent alone, in ranges of the piece size (so a receiver
+    can forward the first range of a large tensor before the rest has come); empty
+    tensors are in none (nothing to send). The holder and the receiver compute the same."""
     out: list[Piece] = []
-    for run in buckets(sizes, limit):
-        if len(run) == 1 and sizes[run[0]] >= limit:
-            k, size = run[0], sizes[run[0]]
-            out.extend(((k, a, min(a + limit, size)),) for a in range(0, size, limit))
-        else:
-            out.append(tuple((k, 0, sizes[k]) for k in run))
+    run: list[tuple[int, int, int]] = []
+    total = 0
+
+    def cap() -> int:
+        return max(limit >> max(RAMP_PIECES - len(out), 0), 1)
+
+    for k, size in enumerate(sizes):
+        if size == 0:
+            continue
+        if run and total + size > cap():
+            out.append(tuple(run))
+            run, total = [], 0
+        if size < cap():
+            run.append((k, 0, size))
+            total += size
+            continue
+        start = 0
+        while start < size:
+            stop = min(start + cap(), size)
+            out.append(((k, start, stop),))
+            start = stop
+    if run:
+        out.append(tuple(run))
     return out
 
 
