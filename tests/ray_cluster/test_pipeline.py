@@ -6,7 +6,8 @@ each piece as it lands there, and the server serves the checkpoint once.
 * three replicas in a chain (``peer_fanout=1``): bit-identical shards, the server's count
   one replica's, the third's first pieces in before the first has read its last;
 * a replica in the middle of a pipeline killed: the one downstream of it keeps what had
-  arrived and reads only the rest from storage, its report naming the switch.
+  arrived and reads only the rest from storage, its report naming the switch, and goes
+  on forwarding to its own downstream, which never sees the switch.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import ray
 import torch
 
 import rayload
+from rayload.actors.channel import pieces
 from rayload.actors.directory import call, directory
 from rayload.errors import RayloadError
 from rayload.loading import load_rank, plan_shards, write_checkpoint
@@ -135,7 +137,8 @@ def test_a_replica_killed_mid_pipeline_its_downstream_keeps_what_arrived_and_rea
 ) -> None:
     url, local = pipeline_url
     prefix = url.removeprefix("s3://") + "/"
-    shard = plan_shards(local, 1).ranks[0].nbytes
+    plan = plan_shards(local, 1).ranks[0]
+    shard = plan.nbytes
     set_test_hooks(peer_bucket_bytes=PIECE_BYTES)
     slow_link(2e6)  # replica 0 of the first load reads for about 8 s
     s3.proxy.clear()
@@ -148,32 +151,46 @@ def test_a_replica_killed_mid_pipeline_its_downstream_keeps_what_arrived_and_rea
         except BaseException as exc:
             failures.append(exc)
 
-    def downstream() -> None:  # the youngest replica still loading is its parent: 1
-        with rayload.load(url, 1, device="cpu", peer_fanout=1, timeout=300) as result:
-            outcome["report"] = result.ranks[0]
-            outcome["digests"] = result.apply(_digests)[0]
+    both_loaded = threading.Barrier(2, timeout=180)  # neither closes while the other loads
 
+    def downstream() -> None:  # a chain: the youngest replica still loading is the parent
+        with rayload.load(url, 1, device="cpu", peer_fanout=1, timeout=300) as result:
+            outcome[result.replica_ids[0]] = (result.ranks[0], result.apply(_digests)[0])
+            both_loaded.wait()
+
+    def registered(count: int) -> list[Any]:
+        while len(entries := [e for e in call(directory().entries) if e.path == url]) < count:
+            assert time.monotonic() < deadline, f"fewer than {count} replicas ever registered"
+            time.sleep(0.05)
+        return entries
+
+    def forwarding(actor: Any) -> None:
+        while ray.get(actor.peer_ping.remote()) == 0:
+            assert time.monotonic() < deadline, "a replica in the chain never forwarded a piece"
+            time.sleep(0.05)
+
+    deadline = time.monotonic() + 120
     loads = threading.Thread(target=first)
     loads.start()
-    deadline = time.monotonic() + 120
-    while len(entries := [e for e in call(directory().entries) if e.path == url]) < 2:
-        assert time.monotonic() < deadline, "the first load's replicas never registered"
-        time.sleep(0.05)
-    middle = entries[1].actors[0]
-    receiver = threading.Thread(target=downstream)
-    receiver.start()
-    while ray.get(middle.peer_ping.remote()) == 0:  # it has begun forwarding to the third
-        assert time.monotonic() < deadline, "the middle replica never forwarded a piece"
-        time.sleep(0.05)
-    time.sleep(0.5)  # a few pieces further
+    middle = registered(2)[1].actors[0]
+    # Two more loads, each a replica: 0 -> 1 -> third -> fourth.
+    receivers = [threading.Thread(target=downstream) for _ in range(2)]
+    for receiver in receivers:
+        receiver.start()
+    entries = registered(4)
+    third, fourth = entries[2].replica, entries[3].replica
+    forwarding(middle)
+    forwarding(entries[2].actors[0])  # the fourth receives from the third
+    time.sleep(0.3)  # a few pieces further
     ray.kill(middle, no_restart=True)
     loads.join(timeout=180)
-    receiver.join(timeout=180)
+    for receiver in receivers:
+        receiver.join(timeout=180)
     slow_link(0.0)
-    assert not loads.is_alive() and not receiver.is_alive()
-    # The first load fails, naming the replica that died; the third finishes.
+    assert not loads.is_alive() and not any(r.is_alive() for r in receivers)
+    # The first load fails, naming the replica that died; the two others finish.
     assert len(failures) == 1 and isinstance(failures[0], RayloadError), failures
-    report = outcome["report"]
+    report, digests = outcome[third]
     reason = report.method.fallback_reason or ""
     assert report.method.selected is LoadMethod.PEER
     assert f"replica {entries[1].replica} rank 0" in reason and "failed mid-transfer" in reason
@@ -181,7 +198,31 @@ def test_a_replica_killed_mid_pipeline_its_downstream_keeps_what_arrived_and_rea
     # Not started over: what had arrived came from the peer, only the rest from storage.
     assert 0 < report.bytes_from_peers < shard
     assert report.bytes_from_peers + report.bytes_from_storage == shard
-    assert outcome["digests"] == _local_digests(local)
+    assert digests == _local_digests(local)
+    # The fourth never saw the switch: all of it came from the third, which forwarded the
+    # rest as its storage read landed (a piece of the rest came before that read ended).
+    onward, onward_digests = outcome[fourth]
+    assert onward.method.effective is LoadMethod.PEER, onward.method.fallback_reason
+    assert onward.bytes_from_peers == shard and onward.source.startswith(f"peer replica={third} ")
+    assert onward_digests == digests
+    [rest_read] = [
+        p
+        for p in report.phases
+        if p.name == "rank.read" and p.attributes.get("source") == "storage"
+    ]
+    [pieces_4] = [p for p in onward.phases if p.name == PIECES]
+    times = pieces_4.attributes["piece_ms"]
+    assert len(times) == pieces_4.attributes["pieces"]
+    kept = next(
+        k
+        for k in range(len(plan.shards) + 1)
+        if sum(s.nbytes for s in plan.shards[:k]) >= report.bytes_from_peers
+    )
+    ranges = [
+        k for piece in pieces([s.nbytes for s in plan.shards], PIECE_BYTES) for k, _, _ in piece
+    ]
+    first_rest = pieces_4.start_ns + times[ranges.index(kept)] * 1e6
+    assert first_rest < rest_read.end_ns, (first_rest - rest_read.end_ns) / 1e9
     assert s3.proxy.served_bytes(prefix) < 2 * shard  # the cluster never read it twice
 
 

@@ -122,6 +122,8 @@ class Served:
     """What the proxy sent of the body, or began to send when ``disconnected``."""
     disconnected: bool = False
     """The client hung up before the proxy had written the response."""
+    sent_ns: int = field(default_factory=time.time_ns)
+    """When the proxy began to send the body (``time.time_ns()``, the spans' clock)."""
 
 
 @dataclass

@@ -13,8 +13,9 @@ many tensors came from where. Nothing half-loaded is returned.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 
 import torch
 
@@ -112,12 +113,12 @@ class PeerBackend(Backend):
         them all. The load does not start over; the result (``effective``: the storage
         method) names the switch and how much came from where."""
         missing = set(arrivals.missing())
-        storage = self._storage_backend(publish=None)  # the arrivals are marked here
+        storage = self._storage_backend(publish=partial(_Rest, arrivals))
         rest = replace(plan, shards=tuple(s for s in plan.shards if s.name in missing))
         views = [_bytes(h) for s, h in zip(plan.shards, hosts, strict=True) if s.name in missing]
         with timer.tagged(source=STORAGE_SOURCE):
             result = storage._load_into(rest, torch.device("cpu"), timer, views, set())
-        for shard in rest.shards:
+        for shard in rest.shards:  # a storage method that publishes nothing as it reads
             arrivals.landed_name(shard.name, 0, shard.nbytes)
         received = plan.nbytes - rest.nbytes
         reason = (
@@ -168,6 +169,22 @@ class PeerBackend(Backend):
         return BACKENDS[self.storage](
             self.probe, checkpoint=self.checkpoint, options=self.options, publish=publish
         )
+
+
+class _Rest(Arrivals):
+    """The arrivals of the tensors a failed peer did not give, read from storage into the
+    plan's memory: each range marked here is marked in the whole plan's ``arrivals`` too,
+    so this rank's own receivers get the storage read's bytes as they land."""
+
+    def __init__(
+        self, arrivals: Arrivals, names: Sequence[str], buffers: Sequence[torch.Tensor]
+    ) -> None:
+        super().__init__(names, buffers)
+        self._plan = arrivals
+
+    def landed(self, index: int, offset: int, length: int) -> bool:
+        self._plan.landed_name(self.names[index], offset, length)
+        return super().landed(index, offset, length)
 
 
 def _joined(reason: str, result: BackendResult) -> str:
