@@ -87,6 +87,8 @@ def _pieces(trace_dir: Path) -> tuple[list[dict[str, Any]], int | None]:
                         "bytes": int(attrs["rayload.bytes"]),
                     }
                 )
+    for p in out:
+        p["read_ns"] = min(ns for replica, ns in reads if replica == p["replica"])
     receivers = {p["replica"] for p in out}
     store = [ns for replica, ns in reads if replica not in receivers]
     return out, min(store) if store else None
@@ -249,37 +251,40 @@ def _table(
 
 
 def _first_piece_lines(rows: list[dict[str, Any]], store_mbps: float) -> list[str]:
-    """How long after the store's read began, and after the store sent that read's first
-    body bytes, every receiver of a pipelined load had its first piece (the latest
-    receiver; per count, each round), beside one full piece's time at the store's rate."""
+    """When the receivers of the pipelined loads had their first piece (the latest
+    receiver; per count, each round): after the store's read began; after the store sent
+    that read's first body bytes; after those bytes or the receiver's own read began,
+    whichever was later. Beside it, one full piece's time at the store's rate."""
     each = []
     for n in sorted({r["n"] for r in rows}):
-        late = [
-            (
-                max(p["start_ns"] for p in r["pieces"]),
-                r["store_read_ns"],
-                r.get("store_first_body_ns") or r["store_read_ns"],
-            )
-            for r in rows
-            if r["n"] == n and r["case"] == "pipelined" and r["pieces"] and r["store_read_ns"]
-        ]
-        if late:
-            each.append(
-                f"n={n} "
-                + " / ".join(
-                    f"{(last - read) / 1e9:.2f} ({(last - body) / 1e9:.2f})"
-                    for last, read, body in late
+        late = []
+        for r in rows:
+            if r["n"] != n or r["case"] != "pipelined" or not r["pieces"] or not r["store_read_ns"]:
+                continue
+            body = r.get("store_first_body_ns") or r["store_read_ns"]
+            late.append(
+                "{:.2f} / {:.2f} / {:.2f}".format(
+                    *(
+                        max(p["start_ns"] - f(p) for p in r["pieces"]) / 1e9
+                        for f in (
+                            lambda p, r=r: r["store_read_ns"],
+                            lambda p, b=body: b,
+                            lambda p, b=body: max(b, p.get("read_ns", 0)),
+                        )
+                    )
                 )
-                + " s"
             )
+        if late:
+            each.append(f"n={n} " + "; ".join(late) + " s")
     if not each:
         return []
     from rayload.actors.channel import BUCKET_BYTES
 
     return [
         "",
-        "Every receiver's first piece after the store's read began (after the store's first "
-        f"body bytes of that read), the latest receiver, each round: {'; '.join(each)}; one "
+        "Every receiver's first piece (the latest receiver, each round), after the store's "
+        "read began / after the store's first body bytes of that read / after those bytes "
+        f"or the receiver's own read began, whichever came later: {', '.join(each)}; one "
         f"{BUCKET_BYTES >> 20} MiB piece at the store's rate takes "
         f"{BUCKET_BYTES / (store_mbps * 1e6):.3f} s",
     ]

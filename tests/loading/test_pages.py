@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import time
 
 import pytest
 import torch
@@ -63,6 +64,7 @@ def test_prefaulter_maps_many_small_tensors_ahead_and_changes_no_written_byte() 
         t.fill_(i % 251 + 1)
     before = _resident_kb()
     prefaulter = pages.Prefaulter(tensors)
+    prefaulter.advance(sum(t.numel() for t in written))  # the rest is within AHEAD_BYTES
     prefaulter._thread.join(30)
     said = prefaulter.stop()
     if pages._unsupported:
@@ -73,6 +75,36 @@ def test_prefaulter_maps_many_small_tensors_ahead_and_changes_no_written_byte() 
     assert (_resident_kb() - before) * 1024 >= 0.9 * unwritten
     assert all(bool((t == i % 251 + 1).all()) for i, t in enumerate(written))
     assert all(torch.count_nonzero(t) == 0 for t in tensors[len(written) :])
+
+
+def test_prefaulter_waits_for_the_first_bytes_then_stays_at_most_its_window_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(pages, "AHEAD_BYTES", 8 * MIB)
+    monkeypatch.setattr(pages, "STEP_BYTES", 1 * MIB)
+    tensors = _fresh_tensors([4 * MIB] * 8)  # 32 MiB
+    prefaulter = pages.Prefaulter(tensors)
+    try:
+        time.sleep(0.3)
+        assert prefaulter.mapped == 0  # nothing came yet: nothing mapped
+        prefaulter.advance(2 * MIB)
+
+        def settled() -> int:  # the thread stops moving once it is its window ahead
+            deadline, last = time.monotonic() + 20, -1
+            while prefaulter.mapped != last and time.monotonic() < deadline:
+                last = prefaulter.mapped
+                time.sleep(0.3)
+            return last
+
+        mapped = settled()
+        if pages._unsupported:
+            pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
+        assert 10 * MIB <= mapped <= 11 * MIB + mmap.PAGESIZE
+        prefaulter.advance(30 * MIB)
+        prefaulter._thread.join(20)
+        assert prefaulter.mapped >= 32 * MIB
+    finally:
+        prefaulter.stop()
 
 
 def test_page_ranges_merge_neighbours_and_skip_empty_tensors() -> None:

@@ -52,8 +52,13 @@ class PeerBackend(Backend):
             arrivals = (self.publish or Arrivals)(names, views)
             pieces = _Pieces(arrivals, timer.clock)
             prefault = Prefaulter(views)
+
+            def landed(name: str, offset: int, length: int) -> None:
+                pieces.landed(name, offset, length)
+                prefault.advance(length)
+
             try:
-                received = receive_shards(plan, peer, views, pieces.landed)
+                received = receive_shards(plan, peer, views, landed)
             except PeerUnavailable as exc:
                 failure = exc
                 attrs["peer.error"] = str(exc)

@@ -14,8 +14,11 @@ skipped where the kernel lacks it or the range is under :data:`PREFAULT_BYTES`.
 A peer receiver's destinations are many tensors, written as the network delivers, while
 its CPU mostly waits: :class:`Prefaulter` faults them in beforehand from a thread of the
 lowest CPU priority (nice 19: CPU time nothing else wants), in the order they will be
-written, every tensor however small (adjacent ones share one call). Mapping pages changes
-no byte, so it may run ahead of, beside or behind the writer with no race.
+written, every tensor however small (adjacent ones share one call), once the first bytes
+have come and at most :data:`AHEAD_BYTES` ahead of them: faulting a whole shard in at
+once, as a load starts, slowed the first pieces of replicas started together (their
+store's first bytes, on a shared host, waited for it). Mapping pages changes no byte, so
+it may run ahead of, beside or behind the writer with no race.
 """
 
 from __future__ import annotations
@@ -90,6 +93,9 @@ def _populate(start: int, end: int) -> bool:
 
 STEP_BYTES = 16 << 20
 """The most bytes one call of a :class:`Prefaulter` maps, so that it sees ``stop`` soon."""
+AHEAD_BYTES = 64 << 20
+"""How far a :class:`Prefaulter` maps ahead of the bytes that have come (at 200 MB/s, a
+third of a second)."""
 JOIN_S = 1.0
 """How long :meth:`Prefaulter.stop` waits for the thread's last call. Not waiting longer
 is safe: mapping pages changes no byte, wherever they have gone since."""
@@ -114,15 +120,25 @@ def page_ranges(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
 
 class Prefaulter:
     """Faults in the pages of ``tensors`` (fresh CPU tensors about to be written, in that
-    order) from a background thread at nice 19, until done or :meth:`stop`. ``mapped``
-    counts the bytes it mapped."""
+    order) from a background thread at nice 19, once the writer has said that bytes came
+    (:meth:`advance`) and at most :data:`AHEAD_BYTES` ahead of them, until done or
+    :meth:`stop`. ``mapped`` counts the bytes it mapped."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.mapped = 0
+        self._came = 0
         self._ranges = page_ranges(tensors)
-        self._stop = threading.Event()
+        self._stop = False
+        self._moved = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="rayload-prefault", daemon=True)
         self._thread.start()
+
+    def advance(self, nbytes: int) -> None:
+        """``nbytes`` more of the tensors' bytes have been written (the writer's
+        progress, which the mapping follows)."""
+        with self._moved:
+            self._came += nbytes
+            self._moved.notify()
 
     def _run(self) -> None:
         # Refused (a sandbox): at the process's priority then, still off the writer's thread.
@@ -130,8 +146,12 @@ class Prefaulter:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         for start, end in self._ranges:
             for at in range(start, end, STEP_BYTES):
-                if self._stop.is_set():
-                    return
+                with self._moved:
+                    self._moved.wait_for(
+                        lambda: self._stop or 0 < self._came > self.mapped - AHEAD_BYTES
+                    )
+                    if self._stop:
+                        return
                 stop = min(at + STEP_BYTES, end)
                 if _populate(at, stop):
                     self.mapped += stop - at
@@ -141,7 +161,9 @@ class Prefaulter:
     def stop(self) -> str:
         """Stop the thread (waiting at most :data:`JOIN_S`); what it did, in words (for a
         span's attribute)."""
-        self._stop.set()
+        with self._moved:
+            self._stop = True
+            self._moved.notify()
         self._thread.join(JOIN_S)
         if not enabled:
             return "off"
