@@ -224,7 +224,7 @@ def _table(
         served = max(r["served"] for r in rows if r["n"] == n and r["case"] == "pipelined")
         lines.append(
             f"| {n} | {med('pipelined'):.2f} s (wall {med('pipelined', 'wall_s'):.2f}) | "
-            f"{med('today'):.2f} s | {med('no-peers'):.2f} s | "
+            f"{_seconds(med('today'))} | {_seconds(med('no-peers'))} | "
             f"**{med('pipelined') / alone:.2f}x** | {predict(model, n, 2):.2f} s | "
             f"{served / size:.3f}x |"
         )
@@ -248,6 +248,11 @@ def _table(
             f"{predict(model, n, 1):.2f} s |"
         )
     return lines
+
+
+def _seconds(value: float) -> str:
+    """``value`` s, or a dash for a case that did not run at that count."""
+    return "-" if value != value else f"{value:.2f} s"
 
 
 def _first_piece_lines(rows: list[dict[str, Any]], store_mbps: float) -> list[str]:
