@@ -17,8 +17,9 @@ Cases, for each replica count ``n`` (TP=1, ``n`` replicas in one ``rayload.load`
   piece as it lands;
 * ``today``: ``peer_fanout=0``, the replicas receive once their holder has loaded;
 * ``no-peers``: ``method="scratch"``, every replica reads the store;
-* ``no-prefault`` (only with ``--cases``): ``pipelined`` with no rank faulting in its new
-  memory ahead of the bytes (the ``prefault`` test hook).
+* ``no-prefault`` (only with ``--cases``): ``pipelined`` with no rank faulting in memory
+  ahead of its writes (the ``prefault`` test hook: the receivers' prefault and the
+  storage reader's alike).
 
 Interleaved: each round runs every (count, case) once, the cases alternating within a
 count, after ``--warmup`` unrecorded loads (default 1) of the largest count: this VM backs

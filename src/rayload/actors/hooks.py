@@ -23,8 +23,9 @@ after the first bucket, e.g. ``{"0": 5}``, so a test can stop the holder mid-tra
 bytes (several buckets from a small checkpoint); ``peer_link_mbps`` paces every rank's
 sends to that many MB/s each, as links of that speed between machines would (the peer
 benchmarks emulate a cluster's network on one host with it: label such figures so);
-``prefault: false`` stops every rank from faulting in its new memory ahead of the bytes
-(:mod:`rayload.loading.reader.pages`), for the benchmarks that measure what it buys.
+``prefault: false`` stops every rank from faulting in memory ahead of its writes (a
+storage read's destinations and a peer receiver's; :mod:`rayload.loading.reader.pages`),
+for the benchmarks that measure what it buys.
 
 Besides the load phases (``rank.resolve`` ... ``rank.post_load``), ``phase`` may be
 ``actor.init``: the fault then fires in the actor's ``__init__`` (a rank that never starts).
