@@ -22,7 +22,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -57,16 +57,19 @@ def processes_using(temp_dir: str) -> list[psutil.Process]:
     return found
 
 
-def _wait_until_serving(urls: list[str], head: subprocess.Popen[str], timeout_s: float) -> None:
+def _wait_until_serving(
+    urls: list[str], head: subprocess.Popen[str], timeout_s: float, said: Callable[[], str]
+) -> None:
     """Until each of ``urls`` answers HTTP (any status): the dashboard, and the head's
     dashboard agent, whose address the dashboard looks up for ``ray job submit``. The agent
     registers it right after its HTTP server starts; a submit before that waits 10 s on the
-    dashboard, then fails "No available agent to submit job" (seen in CI under load)."""
+    dashboard, then fails "No available agent to submit job" (seen in CI under load).
+    ``said()``: the end of ``ray start``'s output, for the error when it exits."""
     deadline = time.monotonic() + timeout_s
     for url in urls:
         while True:
             if head.poll() is not None:
-                raise AssertionError(f"ray start exited with {head.returncode}")
+                raise AssertionError(f"ray start exited with {head.returncode}: {said()}")
             try:
                 with urllib.request.urlopen(url, timeout=2):
                     break
@@ -109,17 +112,23 @@ def head_node(env: dict[str, str]) -> Iterator[tuple[str, str]]:
         "--num-cpus", "2",
         "--temp-dir", temp_dir,
     ]  # fmt: skip
-    head = subprocess.Popen(
-        command,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        text=True,
-    )
+    output = Path(temp_dir) / "ray-start.log"
+    with output.open("w") as log:
+        head = subprocess.Popen(
+            command,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            text=True,
+        )
+
+    def said() -> str:
+        return output.read_text(errors="replace")[-3000:]
+
     url = f"http://127.0.0.1:{dashboard}"
     try:
-        _wait_until_serving([f"{url}/api/version", f"http://127.0.0.1:{agent}/"], head, 120)
+        _wait_until_serving([f"{url}/api/version", f"http://127.0.0.1:{agent}/"], head, 120, said)
         yield url, temp_dir
     finally:
         head.send_signal(signal.SIGINT)  # `ray start --block` stops its processes on ^C

@@ -216,6 +216,23 @@ def test_a_body_that_stops_after_its_headers_is_an_error_within_the_rank_deadlin
     assert any(r.status == 206 and r.body_bytes == 0 for r in proxy.requests()), "no blackhole"
 
 
+def test_deadlines_of_loads_that_overlap_in_threads_never_outlive_their_loads() -> None:
+    """Two loads in threads of one process, the first leaving first (the driver of a
+    pipeline, a Serve replica): each takes only its own deadline away, so none is left
+    to refuse every later request once it has passed."""
+    from rayload.loading.storage import storage_deadline
+    from rayload.loading.storage.base import current_deadline
+
+    first, second = storage_deadline(300), storage_deadline(60, of=600)
+    first.__enter__()
+    second.__enter__()
+    assert current_deadline() is not None and current_deadline()[1] == 600
+    first.__exit__(None, None, None)
+    assert current_deadline() is not None and current_deadline()[1] == 600
+    second.__exit__(None, None, None)
+    assert current_deadline() is None
+
+
 def test_the_peer_key_of_an_s3_checkpoint_costs_no_request_and_follows_its_content(
     fresh: tuple[str, Path], s3: S3Server, tiny_llama: Path, proxy: Any
 ) -> None:

@@ -7,6 +7,7 @@ data whatever the storage.
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
@@ -22,7 +23,9 @@ Progress = Callable[[int], None]
 S3_SCHEME = "s3://"
 
 
-_deadline: tuple[float, float] | None = None
+_deadlines: list[tuple[float, float]] = []
+"""The :func:`storage_deadline` blocks open in this process, in the order they opened."""
+_deadlines_lock = threading.Lock()
 
 
 @contextmanager
@@ -30,19 +33,25 @@ def storage_deadline(timeout_s: float, *, of: float | None = None) -> Iterator[N
     """Within this block no storage request of this process (any thread) starts, nor
     retries, past ``timeout_s`` seconds from now: a load's ``--timeout`` bounds an
     endpoint that does not answer. ``of``: the load's whole timeout, when ``timeout_s``
-    is what was left of it (a rank's), which errors name and time-outs derive from."""
-    global _deadline
-    previous, _deadline = _deadline, (time.monotonic() + timeout_s, timeout_s if of is None else of)
+    is what was left of it (a rank's), which errors name and time-outs derive from.
+
+    Blocks may overlap in any order (loads in threads of one process, e.g. a Serve
+    replica's): each leaving removes its own deadline, so none outlives its load."""
+    entry = (time.monotonic() + timeout_s, timeout_s if of is None else of)
+    with _deadlines_lock:
+        _deadlines.append(entry)
     try:
         yield
     finally:
-        _deadline = previous
+        with _deadlines_lock:
+            _deadlines.remove(entry)  # an equal entry would be the same deadline
 
 
 def current_deadline() -> tuple[float, float] | None:
-    """The innermost :func:`storage_deadline`: (its ``time.monotonic()`` end, the load's
-    timeout in seconds), or None."""
-    return _deadline
+    """The latest :func:`storage_deadline` still open: (its ``time.monotonic()`` end, the
+    load's timeout in seconds), or None."""
+    with _deadlines_lock:
+        return _deadlines[-1] if _deadlines else None
 
 
 def is_remote(path: str) -> bool:
