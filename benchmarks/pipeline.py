@@ -268,18 +268,15 @@ def _first_piece_lines(rows: list[dict[str, Any]], store_mbps: float) -> list[st
             if r["n"] != n or r["case"] != "pipelined" or not r["pieces"] or not r["store_read_ns"]:
                 continue
             body = r.get("store_first_body_ns") or r["store_read_ns"]
-            late.append(
-                "{:.2f} / {:.2f} / {:.2f}".format(
-                    *(
-                        max(p["start_ns"] - f(p) for p in r["pieces"]) / 1e9
-                        for f in (
-                            lambda p, r=r: r["store_read_ns"],
-                            lambda p, b=body: b,
-                            lambda p, b=body: max(b, p.get("read_ns", 0)),
-                        )
-                    )
+            after = [
+                max(p["start_ns"] - since(p) for p in r["pieces"]) / 1e9
+                for since in (
+                    lambda p, r=r: r["store_read_ns"],
+                    lambda p, b=body: b,
+                    lambda p, b=body: max(b, p.get("read_ns", 0)),
                 )
-            )
+            ]
+            late.append(" / ".join(f"{s:.2f}" for s in after))
         if late:
             each.append(f"n={n} " + "; ".join(late) + " s")
     if not each:

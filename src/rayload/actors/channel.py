@@ -122,18 +122,21 @@ store's rate; small first pieces let the first bytes cross (and go on down the t
 soon after they land, instead of once a whole piece's worth has."""
 
 
-def pieces(sizes: Sequence[int], limit: int = BUCKET_BYTES) -> list[Piece]:
+def pieces(
+    sizes: Sequence[int], limit: int = BUCKET_BYTES, *, ramp: int = RAMP_PIECES
+) -> list[Piece]:
     """The broadcasts of a channel, in order: at most ``limit`` bytes each (less for the
-    first :data:`RAMP_PIECES`), consecutive small tensors packed whole, and a tensor that
-    does not fit a piece of its own sent alone, in ranges of the piece size (so a receiver
-    can forward the first range of a large tensor before the rest has come); empty
-    tensors are in none (nothing to send). The holder and the receiver compute the same."""
+    first ``ramp``, :data:`RAMP_PIECES`), consecutive small tensors packed whole, and a
+    tensor that does not fit a piece of its own sent alone, in ranges of the piece size (so
+    a receiver can forward the first range of a large tensor before the rest has come);
+    empty tensors are in none (nothing to send). The holder and the receiver compute the
+    same."""
     out: list[Piece] = []
     run: list[tuple[int, int, int]] = []
     total = 0
 
     def cap() -> int:
-        return max(limit >> max(RAMP_PIECES - len(out), 0), 1)
+        return max(limit >> max(ramp - len(out), 0), 1)
 
     for k, size in enumerate(sizes):
         if size == 0:
@@ -156,24 +159,12 @@ def pieces(sizes: Sequence[int], limit: int = BUCKET_BYTES) -> list[Piece]:
 
 
 def buckets(sizes: Sequence[int], limit: int = BUCKET_BYTES) -> list[list[int]]:
-    """The broadcasts of a channel: consecutive runs of tensor indices (by byte count
-    ``sizes``), each run at most ``limit`` bytes in all, a tensor of ``limit`` or more alone;
-    empty tensors are in no run (nothing to send). The holder and the receiver compute
-    the same runs from the channel's sizes."""
+    """Consecutive runs of tensor indices (by byte count ``sizes``), each run at most
+    ``limit`` bytes in all, a tensor of ``limit`` or more alone; empty tensors are in no
+    run: :func:`pieces` without the ramp, a large tensor's ranges one run."""
     runs: list[list[int]] = []
-    run: list[int] = []
-    total = 0
-    for index, size in enumerate(sizes):
-        if size == 0:
-            continue
-        if run and (size >= limit or total + size > limit):
+    for piece in pieces(sizes, limit, ramp=0):
+        run = [k for k, _, _ in piece]
+        if not (runs and len(run) == 1 and runs[-1] == run):  # not the same tensor's next range
             runs.append(run)
-            run, total = [], 0
-        run.append(index)
-        total += size
-        if size >= limit:
-            runs.append(run)
-            run, total = [], 0
-    if run:
-        runs.append(run)
     return runs
