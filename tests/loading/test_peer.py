@@ -15,8 +15,8 @@ from rayload.loading.backends.peer import PIECES
 from rayload.loading.methods import LoadMethod
 from rayload.loading.peer import PeerUnavailable, receive_shards, source_label
 from rayload.loading.rank import reload_rank
-from rayload.loading.report import READ, SYNC, TO_DEVICE, RankReport
-from rayload.tracing import startup_metrics
+from rayload.loading.report import READ, SYNC, TO_DEVICE, RankReport, mixed_method_warnings
+from rayload.tracing import format_metrics_table, startup_metrics
 from rayload.tracing.rank_spans import report_attributes
 from support.peers import TensorPeer
 
@@ -196,6 +196,81 @@ def test_failing_peer_spans_say_what_came_from_storage(llama: Path) -> None:
     assert "peer.replica" not in storage_read.attributes
     shards = plan_shards(llama, TP).ranks[1].shards
     assert storage_read.attributes["bytes"] == sum(s.nbytes for s in shards[1:])
+
+
+# --- alternates: another holder gives what the first did not ---------------------------
+
+
+def _bytes_of(shards: object) -> int:
+    return sum(s.nbytes for s in shards)  # type: ignore[attr-defined]
+
+
+def test_a_peer_failing_part_way_its_alternate_gives_the_rest_and_storage_is_not_read(
+    llama: Path,
+) -> None:
+    expected, _ = _storage(llama)
+    alternate = _holder(llama, part=True)
+    alternate.replica = "77aa"
+    peer = _holder(llama, fail_after=2, others=[alternate])
+    tensors, report = load_rank(llama, 1, TP, "peer", peer=peer)
+    _assert_equal(tensors, expected)
+    shards = plan_shards(llama, TP).ranks[1].shards
+    kept, rest = _bytes_of(shards[:2]), _bytes_of(shards[2:])
+    assert report.method.effective is LoadMethod.PEER, "peer to peer is not a fallback"
+    assert report.method.fallback_reason is None
+    assert (report.bytes_read, report.bytes_from_peers) == (0, kept + rest)
+    assert alternate.served == len(shards) - 2, "the alternate sends only what was missing"
+    switch = report.peer_switch or ""
+    assert switch.startswith("replica 3f2a rank 1 on node ab12cd34 failed mid-transfer: ")
+    assert "died after 2 shards" in switch
+    assert f"2 of {len(shards)} tensors ({kept} bytes) had arrived and were kept" in switch
+    assert f"{len(shards) - 2} ({rest} bytes) came from replica 77aa rank 1" in switch
+    # From whom each piece came: one span per source.
+    pieces = [p for p in report.phases if p.name == PIECES]
+    assert [p.attributes["source"] for p in pieces] == [
+        source_label(peer),
+        source_label(alternate),
+    ]
+    assert [p.attributes["bytes"] for p in pieces] == [kept, rest]
+    assert report_attributes(report)["peer_switch"] == switch
+    assert report.to_dict()["peer_switch"] == switch
+    assert mixed_method_warnings([report]) == [f"rank 1 switched peers: {switch}"]
+    metrics = startup_metrics([report], placement_seconds=0.0, actor_startup_seconds={})
+    table = format_metrics_table(metrics)
+    assert f"rank 1 switched peers: {switch}" in table
+
+
+def test_every_peer_failing_the_rest_is_read_from_storage_each_failure_named(
+    llama: Path,
+) -> None:
+    expected, _ = _storage(llama)
+    alternate = _holder(llama, part=True, fail_after=1)
+    alternate.replica = "77aa"
+    peer = _holder(llama, fail_after=2, others=[alternate])
+    tensors, report = load_rank(llama, 1, TP, "peer", peer=peer)
+    _assert_equal(tensors, expected)
+    shards = plan_shards(llama, TP).ranks[1].shards
+    assert report.method.effective is LoadMethod.SCRATCH
+    reason = report.method.fallback_reason or ""
+    assert "replica 77aa rank 1 on node ab12cd34 failed too: the holder's actor died" in reason
+    assert (
+        f"2 of {len(shards)} tensors ({_bytes_of(shards[:2])} bytes) had arrived and were "
+        f"kept, 1 ({shards[2].nbytes} bytes) came from replica 77aa rank 1 on node ab12cd34, "
+        f"the other {len(shards) - 3} ({_bytes_of(shards[3:])} bytes) were read from storage"
+    ) in reason
+    assert report.bytes_from_peers == _bytes_of(shards[:3])
+    assert report.bytes_read > 0
+    assert report.peer_switch is not None and "came from replica 77aa" in report.peer_switch
+
+
+def test_an_alternate_is_asked_for_nothing_when_the_first_peer_gave_everything(
+    llama: Path,
+) -> None:
+    alternate = _holder(llama, part=True)
+    _, report = load_rank(llama, 1, TP, "peer", peer=_holder(llama, others=[alternate]))
+    assert alternate.served == 0
+    assert report.peer_switch is None
+    assert "peer_switch" not in {k for k, v in report_attributes(report).items() if v}
 
 
 def test_failing_peer_under_strict_raises_method_unavailable(llama: Path) -> None:

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 RANK_KEYS = {
     "rank", "replica", "node_id", "device", "method", "bytes_read", "bytes_from_storage",
     "bytes_from_peers", "source", "tensors", "seconds", "storage", "storage_endpoint",
-    "storage_bucket", "requests", "retries",
+    "storage_bucket", "requests", "retries", "peer_switch",
 }  # fmt: skip
 
 

@@ -5,14 +5,20 @@ each piece as it lands there, and the server serves the checkpoint once.
 
 * three replicas in a chain (``peer_fanout=1``): bit-identical shards, the server's count
   one replica's, the third's first pieces in before the first has read its last;
-* a replica in the middle of a pipeline killed: the one downstream of it keeps what had
-  arrived and reads only the rest from storage, its report naming the switch, and goes
-  on forwarding to its own downstream, which never sees the switch.
+* a replica in the middle of a chain killed: the one below it keeps what had arrived
+  and gets the rest from the one above (its alternate), its report naming the switch,
+  and goes on forwarding to its own downstream, which never sees the switch; the server
+  still serves the checkpoint once;
+* the replica reading storage frozen: the one right below takes it as stalled, reads
+  only the rest from storage and forwards it as it lands; the one two hops down never
+  takes its holder for stalled.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
 import sys
 import threading
 import time
@@ -23,9 +29,9 @@ from typing import Any
 import pytest
 import ray
 import torch
+from ray.util.state import get_actor
 
 import rayload
-from rayload.actors.channel import pieces
 from rayload.actors.directory import call, directory
 from rayload.errors import RayloadError
 from rayload.loading import load_rank, plan_shards, write_checkpoint
@@ -128,102 +134,197 @@ def test_three_replicas_in_a_chain_pipeline_the_store_s_bytes_served_once(
     assert pieces_2.attributes["rayload.source"].startswith(f"peer replica={ids[1]} ")
 
 
-def test_a_replica_killed_mid_pipeline_its_downstream_keeps_what_arrived_and_reads_the_rest(
+class _Chain:
+    """Loads started one after another in threads, each one replica, so that with
+    ``peer_fanout=1`` each receives from the one before it; what each returned, and the
+    replicas the directory has for ``url``."""
+
+    def __init__(self, url: str, timeout_s: float = 120) -> None:
+        self.url = url
+        self.deadline = time.monotonic() + timeout_s
+        self.outcome: dict[str, tuple[Any, dict[str, str]]] = {}
+        self.failures: list[BaseException] = []
+        self.threads: list[threading.Thread] = []
+
+    def start(self, replicas: int = 1, hold: threading.Barrier | None = None) -> None:
+        """One more load of ``replicas``; ``hold``: it stays open until the barrier."""
+
+        def run() -> None:
+            try:
+                with rayload.load(
+                    self.url, 1, device="cpu", replicas=replicas, peer_fanout=1, timeout=300
+                ) as result:
+                    digests = result.apply(_digests)
+                    for i, replica in enumerate(result.replica_ids):
+                        self.outcome[replica] = (result.ranks[i], digests[i])
+                    if hold is not None:
+                        hold.wait()
+            except BaseException as exc:
+                self.failures.append(exc)
+                if hold is not None:
+                    hold.abort()
+
+        self.threads.append(threading.Thread(target=run))
+        self.threads[-1].start()
+
+    def registered(self, count: int) -> list[Any]:
+        while len(found := [e for e in call(directory().entries) if e.path == self.url]) < count:
+            assert not self.failures, self.failures
+            assert time.monotonic() < self.deadline, f"fewer than {count} replicas registered"
+            time.sleep(0.05)
+        return found
+
+    def forwarding(self, actor: Any, sends: int = 1) -> None:
+        """Wait until ``actor`` has begun ``sends`` sends (their first piece out)."""
+        while ray.get(actor.peer_ping.remote()) < sends:
+            assert not self.failures, self.failures
+            assert time.monotonic() < self.deadline, "a replica never forwarded a piece"
+            time.sleep(0.05)
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(timeout=180)
+        assert not any(t.is_alive() for t in self.threads), "a load did not finish"
+
+
+def _pieces_during(report: Any, start_ns: int, end_ns: int) -> int:
+    """How many of ``report``'s pieces from its peer came from ``start_ns`` to ``end_ns``
+    (its one :data:`PIECES` span's arrival times; every piece's, for a small shard)."""
+    [span] = [p for p in report.phases if p.name == PIECES]
+    times = span.attributes["piece_ms"]
+    assert len(times) == span.attributes["pieces"]
+    return sum(start_ns <= span.start_ns + ms * 1e6 < end_ns for ms in times)
+
+
+def test_a_replica_killed_mid_pipeline_its_downstream_gets_the_rest_from_the_one_above(
     s3: S3Server,
     pipeline_url: tuple[str, Path],
     slow_link: Callable[[float], None],
     set_test_hooks: Callable[..., None],
     no_leaks: Any,
 ) -> None:
+    """A chain 0 -> 1 -> third -> fourth, each its own load; 1 is killed mid-transfer:
+    the third keeps what had arrived and gets the rest from 0 (its alternate, still
+    reading storage), and the fourth never sees the switch. The store is read once."""
     url, local = pipeline_url
     prefix = url.removeprefix("s3://") + "/"
     plan = plan_shards(local, 1).ranks[0]
     shard = plan.nbytes
     set_test_hooks(peer_bucket_bytes=PIECE_BYTES)
-    slow_link(2e6)  # replica 0 of the first load reads for about 8 s
+    slow_link(2e6)  # replica 0 reads for about 8 s
     s3.proxy.clear()
-    failures: list[BaseException] = []
-    outcome: dict[str, Any] = {}
-
-    def first() -> None:  # replica 0 reads storage, replica 1 receives from it
-        try:
-            rayload.load(url, 1, device="cpu", replicas=2, peer_fanout=1, timeout=300).close()
-        except BaseException as exc:
-            failures.append(exc)
-
-    both_loaded = threading.Barrier(2, timeout=180)  # neither closes while the other loads
-
-    def downstream() -> None:  # a chain: the youngest replica still loading is the parent
-        with rayload.load(url, 1, device="cpu", peer_fanout=1, timeout=300) as result:
-            outcome[result.replica_ids[0]] = (result.ranks[0], result.apply(_digests)[0])
-            both_loaded.wait()
-
-    def registered(count: int) -> list[Any]:
-        while len(entries := [e for e in call(directory().entries) if e.path == url]) < count:
-            assert time.monotonic() < deadline, f"fewer than {count} replicas ever registered"
-            time.sleep(0.05)
-        return entries
-
-    def forwarding(actor: Any) -> None:
-        while ray.get(actor.peer_ping.remote()) == 0:
-            assert time.monotonic() < deadline, "a replica in the chain never forwarded a piece"
-            time.sleep(0.05)
-
-    deadline = time.monotonic() + 120
-    loads = threading.Thread(target=first)
-    loads.start()
-    middle = registered(2)[1].actors[0]
-    # Two more loads, each a replica: 0 -> 1 -> third -> fourth.
-    receivers = [threading.Thread(target=downstream) for _ in range(2)]
-    for receiver in receivers:
-        receiver.start()
-    entries = registered(4)
-    third, fourth = entries[2].replica, entries[3].replica
-    forwarding(middle)
-    forwarding(entries[2].actors[0])  # the fourth receives from the third
+    chain = _Chain(url)
+    held = threading.Barrier(3, timeout=180)  # 0, third and fourth close together
+    chain.start(hold=held)
+    chain.registered(1)  # the order they register in is the chain's
+    chain.start()
+    middle = chain.registered(2)[1].actors[0]
+    chain.start(hold=held)
+    chain.start(hold=held)
+    entries = chain.registered(4)
+    root, third, fourth = entries[0].replica, entries[2].replica, entries[3].replica
+    chain.forwarding(middle)
+    chain.forwarding(entries[2].actors[0])  # the fourth receives from the third
     time.sleep(0.3)  # a few pieces further
     ray.kill(middle, no_restart=True)
-    loads.join(timeout=180)
-    for receiver in receivers:
-        receiver.join(timeout=180)
+    chain.join()
     slow_link(0.0)
-    assert not loads.is_alive() and not any(r.is_alive() for r in receivers)
-    # The first load fails, naming the replica that died; the two others finish.
-    assert len(failures) == 1 and isinstance(failures[0], RayloadError), failures
-    report, digests = outcome[third]
+    # The middle's load fails, naming it; the three others finish.
+    assert len(chain.failures) == 1 and isinstance(chain.failures[0], RayloadError)
+    report, digests = chain.outcome[third]
+    assert digests == _local_digests(local)
+    # Peer to peer: no byte from storage, the switch named in the report.
+    assert report.method.effective is LoadMethod.PEER, report.method.fallback_reason
+    assert report.bytes_from_storage == 0 and report.bytes_from_peers == shard
+    switch = report.peer_switch or ""
+    assert switch.startswith(f"replica {entries[1].replica} rank 0 ")
+    assert "failed mid-transfer" in switch and "had arrived and were kept" in switch
+    assert f"came from replica {root} rank 0" in switch
+    # From whom which bytes came: a pieces span per source, the middle's then the root's.
+    spans = [p for p in report.phases if p.name == PIECES]
+    assert [p.attributes["source"].split(" node=")[0] for p in spans] == [
+        f"peer replica={entries[1].replica} rank=0",
+        f"peer replica={root} rank=0",
+    ]
+    kept = spans[0].attributes["bytes"]
+    assert 0 < kept < shard and kept + spans[1].attributes["bytes"] >= shard
+    # The fourth never saw the switch: all of it came from the third, which forwarded
+    # the root's bytes as they landed (pieces came while they were still coming).
+    onward, onward_digests = chain.outcome[fourth]
+    assert onward.method.effective is LoadMethod.PEER, onward.method.fallback_reason
+    assert onward.peer_switch is None
+    assert onward.bytes_from_peers == shard and onward.source.startswith(f"peer replica={third} ")
+    assert onward_digests == digests
+    assert _pieces_during(onward, spans[1].start_ns, spans[1].end_ns) > 0
+    # Each byte once per cluster, by the server's own count: 0 read it, nobody else.
+    served = s3.proxy.served_bytes(prefix)
+    assert shard <= served <= 1.02 * shard, served / shard
+
+
+def test_a_replica_stalled_mid_pipeline_the_one_below_reads_the_rest_and_goes_on_forwarding(
+    s3: S3Server,
+    pipeline_url: tuple[str, Path],
+    slow_link: Callable[[float], None],
+    set_test_hooks: Callable[..., None],
+    ray_cluster: Any,
+    no_leaks: Any,
+) -> None:
+    """A chain 0 -> 1 -> 2 (0 and 1 one load, 2 another); 0 freezes (SIGSTOP) while it
+    reads storage. 1, right below it, takes it as stalled after ``peer_stall_s`` and
+    reads the rest from storage (0 has nobody above it); 2, two hops down, waits twice
+    as long, so it never takes 1 for stalled: 1 forwards the storage read's bytes as they
+    land and 2 gets everything from 1. Then 0 goes on and its load finishes too."""
+    url, local = pipeline_url
+    plan = plan_shards(local, 1).ranks[0]
+    shard = plan.nbytes
+    stall_s = 3.0
+    set_test_hooks(peer_bucket_bytes=PIECE_BYTES, peer_stall_s=stall_s)
+    slow_link(4e6)  # replica 0 reads for about 4 s
+    chain = _Chain(url)
+    chain.start(replicas=2)
+    entries = chain.registered(2)
+    chain.start()  # at once: 0 must still be reading when 2 receives from 1
+    below = chain.registered(3)[2].replica
+    root, middle = entries[0].actors[0], entries[1].actors[0]
+    actor = get_actor(root._actor_id.hex(), address=ray_cluster.state_address)
+    assert actor is not None and actor.pid
+    pid = actor.pid
+    chain.forwarding(root)
+    chain.forwarding(middle)
+    time.sleep(0.3)  # a few pieces further
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        while below not in chain.outcome and not chain.failures:
+            assert time.monotonic() < chain.deadline, "the replica below never finished"
+            time.sleep(0.05)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    chain.join()
+    slow_link(0.0)
+    assert not chain.failures, chain.failures
+    report, digests = chain.outcome[entries[1].replica]
+    assert digests == _local_digests(local) == chain.outcome[entries[0].replica][1]
+    # 1 names the stall, kept what had come and read only the rest: not started over.
     reason = report.method.fallback_reason or ""
     assert report.method.selected is LoadMethod.PEER
-    assert f"replica {entries[1].replica} rank 0" in reason and "failed mid-transfer" in reason
-    assert "had arrived and were kept" in reason
-    # Not started over: what had arrived came from the peer, only the rest from storage.
+    assert f"replica {entries[0].replica} rank 0" in reason and "failed mid-transfer" in reason
+    assert f"the holder stalled: no piece came for {stall_s:g} s" in reason
     assert 0 < report.bytes_from_peers < shard
     assert report.bytes_from_peers + report.bytes_from_storage == shard
-    assert digests == _local_digests(local)
-    # The fourth never saw the switch: all of it came from the third, which forwarded the
-    # rest as its storage read landed (a piece of the rest came before that read ended).
-    onward, onward_digests = outcome[fourth]
+    # 2 never took 1 for stalled: everything from 1, including the storage read's bytes,
+    # a piece of which came before that read ended.
+    onward, onward_digests = chain.outcome[below]
     assert onward.method.effective is LoadMethod.PEER, onward.method.fallback_reason
-    assert onward.bytes_from_peers == shard and onward.source.startswith(f"peer replica={third} ")
+    assert onward.peer_switch is None
+    assert onward.bytes_from_peers == shard
+    assert onward.source.startswith(f"peer replica={entries[1].replica} ")
     assert onward_digests == digests
     [rest_read] = [
         p
         for p in report.phases
         if p.name == "rank.read" and p.attributes.get("source") == "storage"
     ]
-    [pieces_4] = [p for p in onward.phases if p.name == PIECES]
-    times = pieces_4.attributes["piece_ms"]
-    assert len(times) == pieces_4.attributes["pieces"]
-    kept = next(
-        k
-        for k in range(len(plan.shards) + 1)
-        if sum(s.nbytes for s in plan.shards[:k]) >= report.bytes_from_peers
-    )
-    ranges = [
-        k for piece in pieces([s.nbytes for s in plan.shards], PIECE_BYTES) for k, _, _ in piece
-    ]
-    first_rest = pieces_4.start_ns + times[ranges.index(kept)] * 1e6
-    assert first_rest < rest_read.end_ns, (first_rest - rest_read.end_ns) / 1e9
-    assert s3.proxy.served_bytes(prefix) < 2 * shard  # the cluster never read it twice
+    assert _pieces_during(onward, rest_read.start_ns, rest_read.end_ns) > 0
 
 
 def test_a_tp_group_sharing_its_split1_fetches_forwards_while_it_loads(

@@ -22,7 +22,8 @@ class TensorPeer:
     ``fail_after`` raises :class:`PeerUnavailable` (or ``error`` when given) after that
     many shards; ``short`` names a tensor the holder has one byte short of; ``omit`` one
     it leaves out while sending; ``extra`` a name it sends that the plan does not hold.
-    ``served`` counts shards sent.
+    ``others`` are its alternates; ``part``: it is one, asked for some of its shards
+    only. ``served`` counts shards sent.
     """
 
     tensors: Mapping[str, torch.Tensor]
@@ -34,11 +35,16 @@ class TensorPeer:
     short: str | None = None
     omit: str | None = None
     extra: str | None = None
+    others: Sequence[TensorPeer] = ()
+    part: bool = False
     served: int = field(default=0, init=False)
     via: str = field(default="", init=False)
 
     def describe(self) -> str:
         return f"replica {self.replica} rank {self.rank} on node {self.node_id}"
+
+    def alternates(self) -> Sequence[TensorPeer]:
+        return self.others
 
     def fetch(
         self, plan: RankPlan, destinations: Sequence[torch.Tensor], landed: Landed | None = None
@@ -46,7 +52,8 @@ class TensorPeer:
         sizes = {name: t.numel() * t.element_size() for name, t in self.tensors.items()}
         if self.short is not None:
             sizes[self.short] -= 1
-        check_sizes({shard.name: shard.nbytes for shard in plan.shards}, sizes)
+        want = {shard.name: shard.nbytes for shard in plan.shards}
+        check_sizes(want, sizes, part=self.part)
         self.via = "memory"
         for shard, destination in zip(plan.shards, destinations, strict=True):
             if self.fail_after is not None and self.served >= self.fail_after:

@@ -99,6 +99,7 @@ def test_per_rank_figures_from_phases() -> None:
         "node_id": "node0",
         "method": "scratch",
         "fallback_reason": None,
+        "peer_switch": None,
         "total_model_loading_seconds": 4.0,  # includes 0.5 s of config parsing
         "checkpoint_preparation_seconds": 0.5,
         "weight_population_seconds": 2.75,

@@ -10,6 +10,7 @@ it, is :class:`~rayload.actors.peers.ShardServer`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,11 +18,18 @@ from typing import Any
 
 import torch
 
-from rayload.loading.peer import Landed
+from rayload.loading.peer import Landed, PeerUnavailable
 
 TRANSFER_TIMEOUT_S = 120.0
 """The longest either side of a channel waits for the other once both joined (one bucket
 to cross), and for the holder to answer once it has finished loading."""
+
+STALL_S = 60.0
+"""The longest a receiver waits for its next piece before it takes its holder as stalled
+(a frozen process, a link that drops everything) and gets the rest elsewhere: longer than
+one storage request's read time-out (30 s, retried), so that a holder whose own read is
+retrying is not taken for stalled, and shorter than :data:`TRANSFER_TIMEOUT_S`, the
+holder's own wait for its bytes, so that the receiver, not the holder, decides."""
 
 JOIN_TIMEOUT_S = 30.0
 """The longest a channel's store waits for its other side: a receiver that never comes, a
@@ -82,26 +90,41 @@ def receive(
     host: str,
     into: Mapping[str, torch.Tensor],
     landed: Landed | None = None,
+    *,
+    stall_s: float = STALL_S,
 ) -> Iterator[str]:
     """Join ``channel``'s group as the receiver (this node's address ``host``) and receive
     each piece into ``into[name]`` (1-D uint8, its byte count), telling ``landed(name,
     offset, length)`` of each range once its bytes are in place and yielding a tensor's
-    name once all of them are (an empty tensor's at once: nothing is sent for it)."""
+    name once all of them are (an empty tensor's at once: nothing is sent for it). No
+    piece for ``stall_s`` seconds is :class:`~rayload.loading.peer.PeerUnavailable`
+    saying that the holder stalled."""
     import torch.distributed as dist
 
     store = dist.TCPStore(channel.host, channel.port, 2, False, timedelta(seconds=JOIN_TIMEOUT_S))
-    group = gloo_group(store, RECEIVER, host, TRANSFER_TIMEOUT_S)
+    group = gloo_group(store, RECEIVER, host, stall_s)
     yield from (name for name, size in zip(channel.names, channel.sizes, strict=True) if not size)
+    received = 0
     for piece in pieces(channel.sizes, channel.bucket_bytes):
-        if len(piece) == 1:
-            [(k, start, stop)] = piece
-            broadcast(group, into[channel.names[k]][start:stop])
-        else:
-            lengths = [b - a for _, a, b in piece]
-            packed = torch.empty(sum(lengths), dtype=torch.uint8)
-            broadcast(group, packed)
-            for (k, _, _), part in zip(piece, packed.split(lengths), strict=True):
-                into[channel.names[k]].copy_(part)
+        lengths = [b - a for _, a, b in piece]
+        waited = time.monotonic()
+        try:
+            if len(piece) == 1:
+                [(k, start, stop)] = piece
+                broadcast(group, into[channel.names[k]][start:stop])
+            else:
+                packed = torch.empty(sum(lengths), dtype=torch.uint8)
+                broadcast(group, packed)
+                for (k, _, _), part in zip(piece, packed.split(lengths), strict=True):
+                    into[channel.names[k]].copy_(part)
+        except Exception as exc:
+            if time.monotonic() - waited < stall_s * 0.9:
+                raise
+            raise PeerUnavailable(
+                f"the holder stalled: no piece came for {stall_s:g} s, after {received} of "
+                f"{sum(channel.sizes)} bytes"
+            ) from exc
+        received += sum(lengths)
         for k, start, stop in piece:
             name = channel.names[k]
             if landed is not None:

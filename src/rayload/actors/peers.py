@@ -45,6 +45,7 @@ from rayload.actors.channel import (
     BUCKET_BYTES,
     HOLDER,
     JOIN_TIMEOUT_S,
+    STALL_S,
     TRANSFER_TIMEOUT_S,
     PeerChannel,
     broadcast,
@@ -89,7 +90,15 @@ class PeerRef:
     """Where a rank gets its shards from: rank ``rank`` of replica ``replica``, whose actor
     is ``actor``, on node ``node_id``. ``loading`` says the holder had not finished its
     own load when it was chosen; ``stream`` that the receiver takes each piece as it
-    lands there (pipelined), else it waits for the holder's load to finish."""
+    lands there (pipelined), else it waits for the holder's load to finish.
+    ``alternates``: other holders of the same shards, nearest first (in a pipeline the
+    holder's own upstream, up to the replica reading storage), for the receiver to get
+    from what this one did not give. ``depth``: how many hops the holder's bytes have
+    crossed from storage when they reach the receiver (1 from the replica reading
+    storage, or from a finished holder): the receiver waits that many
+    :data:`~rayload.actors.channel.STALL_S` for a piece, so that when a replica up the
+    tree stalls, only the one right below it takes it as stalled (and gets the rest
+    elsewhere), while those further down wait for it to do so."""
 
     replica: str
     rank: int
@@ -97,6 +106,8 @@ class PeerRef:
     actor: Any
     loading: bool = False
     stream: bool = False
+    alternates: tuple[PeerRef, ...] = ()
+    depth: int = 1
 
     def describe(self) -> str:
         node = (self.node_id or "unknown")[:12]
@@ -231,25 +242,33 @@ class ShardServer:
             if self._generation == generation:
                 self._copy = SharedCopy(tuple(runs), tuple(refs))
 
-    def shared_copy(self, want: Mapping[str, int]) -> SharedCopy | None:
+    def shared_copy(self, want: Mapping[str, int], *, part: bool = False) -> SharedCopy | None:
         """The shared copy, when there is one of exactly the shards of ``want`` (name ->
-        bytes); None otherwise (the receiver then opens a channel)."""
+        bytes; ``part``: among others); None otherwise (the receiver then opens a
+        channel)."""
         with self._lock:
             copy, arrivals = self._copy, self._arrivals
         if copy is None or arrivals is None:
             return None
-        check_sizes(want, arrivals.nbytes)
+        check_sizes(want, arrivals.nbytes, part=part)
         return copy
 
     def open(
-        self, host: str, wait_s: float, want: Mapping[str, int], *, stream: bool = False
+        self,
+        host: str,
+        wait_s: float,
+        want: Mapping[str, int],
+        *,
+        stream: bool = False,
+        part: bool = False,
     ) -> PeerChannel:
         """A channel to this rank's shards for a receiver whose plan has the tensors of
         ``want`` (name -> bytes), its store on ``host``: once this rank's load has
         finished, or (``stream``) once it knows its tensors, each piece then sent as it
         lands (at most ``wait_s`` seconds of waiting either way); the sending starts when
-        the receiver joins. Raises PeerUnavailable when the load failed or is still
-        running, or when this rank holds other shards than ``want``."""
+        the receiver joins. ``part``: ``want`` is what a receiver still lacks, some of this
+        rank's shards, and only those are sent. Raises PeerUnavailable when the load
+        failed or is still running, or when this rank holds other shards than ``want``."""
         import torch.distributed as dist
 
         deadline = time.monotonic() + max(wait_s, 0.0)
@@ -262,16 +281,22 @@ class ShardServer:
             if self._arrivals is None:
                 raise PeerUnavailable(f"its own load failed: {self._failure or 'no weights'}")
             arrivals, generation = self._arrivals, self._generation
-        check_sizes(want, arrivals.nbytes)
+        check_sizes(want, arrivals.nbytes, part=part)
+        indices = tuple(i for i, name in enumerate(arrivals.names) if name in want)
+        patience_s = max(wait_s, TRANSFER_TIMEOUT_S)
         store = dist.TCPStore(
             host, 0, 2, True, timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False
         )
         channel = PeerChannel(
-            host, int(store.port), arrivals.names, arrivals.sizes, self._bucket_bytes
+            host,
+            int(store.port),
+            tuple(arrivals.names[i] for i in indices),
+            tuple(arrivals.sizes[i] for i in indices),
+            self._bucket_bytes,
         )
         sender = threading.Thread(
             target=self._send,
-            args=(store, host, arrivals, generation),
+            args=(store, host, arrivals, indices, generation, patience_s),
             name=f"rayload-peer-send-{channel.port}",
             daemon=True,
         )
@@ -280,21 +305,32 @@ class ShardServer:
         sender.start()
         return channel
 
-    def _send(self, store: Any, host: str, arrivals: Arrivals, generation: int) -> None:
-        """The sender thread: join the group, broadcast every piece once its bytes have
-        landed, leave. A receiver that never joins or goes away, this rank's load failing
-        or stalling, or a reload (:meth:`loading`), ends it with a log line; ending it
-        drops the group, which the receiver sees as the peer failing."""
+    def _send(
+        self,
+        store: Any,
+        host: str,
+        arrivals: Arrivals,
+        indices: Sequence[int],
+        generation: int,
+        patience_s: float,
+    ) -> None:
+        """The sender thread: join the group, broadcast every piece of the tensors
+        ``indices`` (of ``arrivals``, the channel's) once its bytes have landed (waiting up
+        to ``patience_s`` for each while none land: as long as the receiver would), leave.
+        A receiver that never joins or goes away, this rank's load failing or stalling, or
+        a reload (:meth:`loading`), ends it with a log line; ending it drops the group,
+        which the receiver sees as the peer failing."""
         group = None
         link_free = 0.0
         try:
             group = gloo_group(store, HOLDER, host, TRANSFER_TIMEOUT_S)
-            for i, piece in enumerate(pieces(arrivals.sizes, self._bucket_bytes)):
-                for index, _, stop in piece:
-                    arrivals.wait(index, stop, TRANSFER_TIMEOUT_S)
+            sizes = [arrivals.sizes[k] for k in indices]
+            for i, piece in enumerate(pieces(sizes, self._bucket_bytes)):
+                for k, _, stop in piece:
+                    arrivals.wait(indices[k], stop, patience_s)
                 if self._generation != generation:
                     raise _Superseded("this rank's tensors are being rewritten (a reload)")
-                parts = [_byte_range(arrivals.buffers[k], a, b) for k, a, b in piece]
+                parts = [_byte_range(arrivals.buffers[indices[k]], a, b) for k, a, b in piece]
                 if self._link_mbps:
                     link_free = _paced(link_free, sum(b - a for _, a, b in piece), self._link_mbps)
                 broadcast(group, parts[0] if len(parts) == 1 else torch.cat(parts))
@@ -335,9 +371,21 @@ class RayPeerSource:
     """A :class:`~rayload.loading.peer.PeerSource` over Ray: the holder ``ref`` sends, this
     rank (on node ``node_id``, address ``host``) receives: from the holder's shared copy
     when it is on this node and has one, else over a channel. ``wait_s`` bounds the wait
-    for a holder that is still loading; ``via`` says which way the bytes came."""
+    for a holder that is still loading, ``stall_s`` the wait for each piece
+    (:data:`~rayload.actors.channel.STALL_S`); ``part``: the plans this source is given
+    are some of the holder's shards (an alternate's: what another holder did not give).
+    ``via`` says which way the bytes came."""
 
-    def __init__(self, ref: PeerRef, *, host: str, node_id: str | None, wait_s: float) -> None:
+    def __init__(
+        self,
+        ref: PeerRef,
+        *,
+        host: str,
+        node_id: str | None,
+        wait_s: float,
+        stall_s: float = STALL_S,
+        part: bool = False,
+    ) -> None:
         self.ref = ref
         self.replica = ref.replica
         self.rank = ref.rank
@@ -346,9 +394,26 @@ class RayPeerSource:
         self._host = host
         self._own_node = node_id
         self._wait_s = wait_s
+        self._stall_s = stall_s
+        self._part = part
 
     def describe(self) -> str:
         return self.ref.describe()
+
+    def alternates(self) -> list[RayPeerSource]:
+        """The ref's alternates, each waited for no longer than a stall (one that does not
+        answer is passed over quickly: storage is the last resort)."""
+        return [
+            RayPeerSource(
+                alt,
+                host=self._host,
+                node_id=self._own_node,
+                wait_s=min(self._wait_s, self._stall_s),
+                stall_s=self._stall_s,
+                part=True,
+            )
+            for alt in self.ref.alternates
+        ]
 
     def fetch(
         self,
@@ -361,17 +426,19 @@ class RayPeerSource:
         same_node = self.node_id is not None and self.node_id == self._own_node
         copy: SharedCopy | None = None
         if same_node:
-            copy = _get(self.ref.actor.shared_copy.remote(want), TRANSFER_TIMEOUT_S)
+            copy = _get(self.ref.actor.shared_copy.remote(want, self._part), self._stall_s)
         if copy is not None:
             self.via = "object_store"
             yield from _copy_out(copy, into)
             return
         self.via = "gloo"
-        yield from receive(self._channel(want), self._host, into, landed)
+        stall_s = self._stall_s * self.ref.depth
+        yield from receive(self._channel(want), self._host, into, landed, stall_s=stall_s)
 
     def _channel(self, want: Mapping[str, int]) -> PeerChannel:
-        ref = self.ref.actor.open_channel.remote(self._wait_s, want, self.ref.stream)
-        channel: PeerChannel = _get(ref, self._wait_s + TRANSFER_TIMEOUT_S)
+        actor = self.ref.actor
+        ref = actor.open_channel.remote(self._wait_s, want, self.ref.stream, self._part)
+        channel: PeerChannel = _get(ref, self._wait_s + min(TRANSFER_TIMEOUT_S, self._stall_s))
         return channel
 
 
@@ -390,11 +457,14 @@ def _get(ref: Any, timeout_s: float) -> Any:
 
 
 def _copy_out(copy: SharedCopy, into: Mapping[str, torch.Tensor]) -> Iterator[str]:
-    """Copy a shared copy's tensors into ``into`` (their memory as 1-D uint8), object by
-    object, yielding each name once its bytes are in place."""
+    """Copy those of a shared copy's tensors that ``into`` has memory for (1-D uint8) into
+    it, object by object, yielding each name once its bytes are in place."""
     for names, ref in zip(copy.names, copy.refs, strict=True):
+        if not any(name in into for name in names):
+            continue
         arrays = _get(ref, TRANSFER_TIMEOUT_S)
         for name, array in zip(names, arrays, strict=True):
-            into[name].numpy()[:] = array
+            if name in into:
+                into[name].numpy()[:] = array
+                yield name
         del arrays
-        yield from names

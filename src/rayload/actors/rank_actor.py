@@ -38,6 +38,7 @@ from typing import Any
 import ray
 import torch
 
+from rayload.actors.channel import STALL_S
 from rayload.actors.device import LOCAL_CUDA_DEVICE, rank_device
 from rayload.actors.hooks import INIT_PHASE, FaultInjection, FaultyTimer
 from rayload.actors.messages import (
@@ -107,15 +108,17 @@ class RankActor:
     """Rank ``rank``'s actor.
 
     ``clock_skew_ns``, ``fault``, ``probe_overrides``, ``peer_pause_s``,
-    ``peer_bucket_bytes``, ``peer_link_mbps`` and ``prefault`` are TEST HOOKS: the
+    ``peer_bucket_bytes``, ``peer_link_mbps``, ``prefault`` and ``peer_stall_s`` are TEST
+    HOOKS: the
     first shifts every time the actor reports (phases, spans, :meth:`clock`) to model
     another node's clock;
     the second makes this rank fail on purpose; the third changes what this rank's
     environment probe reports; the fourth pauses this rank's sending to a receiver after
     its first piece; the fifth sets the size of those pieces; the sixth paces its sends
     as a link of that speed; the seventh, False, stops this rank from faulting in its new
-    memory ahead of the bytes (:mod:`rayload.loading.reader.pages`; see
-    :mod:`rayload.actors.hooks`).
+    memory ahead of the bytes (:mod:`rayload.loading.reader.pages`); the eighth shortens
+    how long this rank, receiving, waits for a piece before it takes its holder as
+    stalled (see :mod:`rayload.actors.hooks`).
 
     Once loaded, the rank is a *holder* for other replicas: :meth:`open_channel`,
     :meth:`shared_copy` and :meth:`peer_ping` run in the actor's ``peer`` concurrency
@@ -134,8 +137,10 @@ class RankActor:
         peer_bucket_bytes: int | None = None,
         peer_link_mbps: float | None = None,
         prefault: bool = True,
+        peer_stall_s: float | None = None,
     ) -> None:
         pages.enabled = prefault
+        self._stall_s = peer_stall_s or STALL_S
         self._skew_ns = clock_skew_ns
         self._shards = ShardServer(
             pause_s=peer_pause_s, bucket_bytes=peer_bucket_bytes, link_mbps=peer_link_mbps
@@ -296,23 +301,27 @@ class RankActor:
             host=ray.util.get_node_ip_address(),
             node_id=self._node_id,
             wait_s=request.peer_wait_s,
+            stall_s=self._stall_s,
         )
 
     @ray.method(concurrency_group=PEER_GROUP)
     def open_channel(
-        self, wait_s: float, want: dict[str, int], stream: bool = False
+        self, wait_s: float, want: dict[str, int], stream: bool = False, part: bool = False
     ) -> PeerChannel:
         """A channel that sends this rank's shards to the same rank of another replica,
-        whose plan wants ``want`` (name -> bytes). Waits at most ``wait_s`` for a load still
-        running (``stream``: only until it knows its tensors, then sends each piece as it
-        lands); raises PeerUnavailable when it failed or the shards differ."""
-        return self._shards.open(ray.util.get_node_ip_address(), wait_s, want, stream=stream)
+        whose plan wants ``want`` (name -> bytes; ``part``: what it still lacks, some of
+        them). Waits at most ``wait_s`` for a load still running (``stream``: only until it
+        knows its tensors, then sends each piece as it lands); raises PeerUnavailable when
+        it failed or the shards differ."""
+        host = ray.util.get_node_ip_address()
+        return self._shards.open(host, wait_s, want, stream=stream, part=part)
 
     @ray.method(concurrency_group=PEER_GROUP)
-    def shared_copy(self, want: dict[str, int]) -> SharedCopy | None:
+    def shared_copy(self, want: dict[str, int], part: bool = False) -> SharedCopy | None:
         """This rank's shards in its node's object store (a load with ``shared_copy``), for
-        a receiver on this node whose plan wants ``want``; None when there is none."""
-        return self._shards.shared_copy(want)
+        a receiver on this node whose plan wants ``want`` (``part``: some of them); None
+        when there is none."""
+        return self._shards.shared_copy(want, part=part)
 
     @ray.method(concurrency_group=PEER_GROUP)
     def peer_ping(self) -> int:

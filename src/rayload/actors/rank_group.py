@@ -125,6 +125,7 @@ class RankActorGroup:
                 peer_bucket_bytes=self.hooks.peer_bucket_bytes,
                 peer_link_mbps=self.hooks.peer_link_mbps,
                 prefault=self.hooks.prefault,
+                peer_stall_s=self.hooks.peer_stall_s,
             )
             self.actors.append(actor)
             waiting[actor.ready.remote()] = rank

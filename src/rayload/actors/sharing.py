@@ -22,7 +22,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -172,6 +172,11 @@ class PeerSharing:
         self._directory = None
 
 
+MAX_ALTERNATES = 4
+"""At most this many alternates per rank among finished holders (in a pipeline, a rank's
+alternates are its holder's upstream, as many as the tree is deep)."""
+
+
 def choose_sources(
     holders: Sequence[ReplicaEntry], entry: ReplicaEntry, *, fanout: int = PEER_FANOUT
 ) -> tuple[PeerRef | None, ...]:
@@ -181,13 +186,18 @@ def choose_sources(
     spread by receiver and rank). Else, with ``fanout`` > 0, the replicas still loading
     are a tree in the order they registered (the first reads storage): the new one is
     its next node, receiving from its parent each piece as it lands there (``stream``);
-    with ``fanout`` 0, from the oldest once it has finished (no pipeline)."""
+    with ``fanout`` 0, from the oldest once it has finished (no pipeline).
+
+    Each source has its alternates, for what it does not give: the next finished holders
+    by the same preference, or in the tree the parent's ancestors, nearest first (each has
+    every byte the parent had received, and more), and its depth
+    (:attr:`~rayload.actors.peers.PeerRef.depth`)."""
     if not holders:
         return ()
     sources: list[PeerRef | None] = []
     spread = zlib.crc32(entry.replica.encode())
     loading = [i for i, h in enumerate(holders) if h.state != "loaded"]
-    parent = loading[(len(loading) - 1) // fanout] if fanout > 0 and loading else None
+    above = _ancestors(len(loading), fanout) if fanout > 0 and loading else []
     for rank in range(entry.tp_size):
 
         def preference(i: int, rank: int = rank) -> tuple[bool, bool, int]:
@@ -198,20 +208,41 @@ def choose_sources(
             # tree's parent, else the oldest, which reads storage.
             if loaded:
                 return False, not same_node, (i + rank + spread) % len(holders)
-            return True, False, 0 if i == parent else 1 + i
+            return True, False, 0 if above and i == loading[above[0]] else 1 + i
 
-        holder = holders[min(range(len(holders)), key=preference)]
-        sources.append(
-            PeerRef(
-                replica=holder.replica,
-                rank=rank,
-                node_id=holder.nodes[rank],
-                actor=holder.actors[rank],
-                loading=holder.state != "loaded",
-                stream=fanout > 0,
-            )
-        )
+        order = sorted(range(len(holders)), key=preference)
+        if holders[order[0]].state == "loaded":  # and the next finished ones
+            chosen = [(i, 1) for i in order[: 1 + MAX_ALTERNATES] if holders[i].state == "loaded"]
+        elif above:  # the tree: the parent, then its ancestors, each this many hops away
+            chosen = [(loading[p], len(_ancestors(p, fanout)) + 1) for p in above]
+        else:  # the oldest, once it has finished
+            chosen = [(order[0], 1)]
+        refs = [_ref(holders[i], rank, stream=fanout > 0, depth=d) for i, d in chosen]
+        sources.append(replace(refs[0], alternates=tuple(refs[1:])))
     return tuple(sources)
+
+
+def _ancestors(position: int, fanout: int) -> list[int]:
+    """The positions above ``position`` in a tree of ``fanout`` children per node, laid
+    out in order (0 the root; node ``p``'s children ``p * fanout + 1 ..``), nearest
+    first."""
+    out = []
+    while position > 0:
+        position = (position - 1) // fanout
+        out.append(position)
+    return out
+
+
+def _ref(holder: ReplicaEntry, rank: int, *, stream: bool, depth: int) -> PeerRef:
+    return PeerRef(
+        replica=holder.replica,
+        rank=rank,
+        node_id=holder.nodes[rank],
+        actor=holder.actors[rank],
+        loading=holder.state != "loaded",
+        stream=stream,
+        depth=depth,
+    )
 
 
 def _job_id() -> str:

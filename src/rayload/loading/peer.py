@@ -57,6 +57,12 @@ class PeerSource(Protocol):
         """Who the peer is, for messages: e.g. ``"replica 3f2a rank 1 on node ab12..."``."""
         ...
 
+    def alternates(self) -> Sequence[PeerSource]:
+        """Other holders of the same shards, nearest first, to get from what this one did
+        not give (it failed part way): each fetches only the tensors of the plan it is
+        given, a part of this rank's, from its own shards. Empty: only storage is left."""
+        ...
+
     def fetch(
         self, plan: RankPlan, destinations: Sequence[torch.Tensor], landed: Landed | None = None
     ) -> Iterator[str]:
@@ -90,10 +96,13 @@ def peer_attributes(peer: PeerSource) -> dict[str, Any]:
     }
 
 
-def check_sizes(want: Mapping[str, int], have: Mapping[str, int]) -> None:
+def check_sizes(want: Mapping[str, int], have: Mapping[str, int], *, part: bool = False) -> None:
     """Raise :class:`PeerUnavailable` unless a peer that holds tensors of ``have`` bytes
     (name -> bytes) holds exactly the shards a plan wants (``want``: each shard's name ->
-    its byte count); the message names the first difference."""
+    its byte count; ``part``: some of a plan's shards, which the peer must hold among
+    others); the message names the first difference."""
+    if part:
+        have = {name: size for name, size in have.items() if name in want}
     if dict(have) == dict(want):
         return
     missing = sorted(want.keys() - have.keys())

@@ -378,6 +378,7 @@ def _report(
         storage_bucket=used.attributes.get("rayload.storage.bucket"),
         requests=used.counters.requests,
         retries=used.counters.retries,
+        peer_switch=result.peer_switch,
     )
 
 

@@ -128,6 +128,9 @@ class RankReport:
     """Requests made to object storage (headers, listings and ranges), retries included."""
     retries: int = 0
     """Of those, the retried ones (throttling, 5xx, connection errors, bodies cut short)."""
+    peer_switch: str | None = None
+    """The peer given failed part way and another gave (some of) the rest: who, why, how
+    many tensors came from where (``BackendResult.peer_switch``)."""
 
     @property
     def label(self) -> str:
@@ -166,6 +169,7 @@ class RankReport:
             "storage_bucket": self.storage_bucket,
             "requests": self.requests,
             "retries": self.retries,
+            "peer_switch": self.peer_switch,
             "tensors": self.tensors,
             "seconds": round(self.seconds, 6),
         }
@@ -174,7 +178,8 @@ class RankReport:
 def mixed_method_warnings(reports: Sequence[RankReport]) -> list[str]:
     """Warnings for a load whose ranks did not all run the same way: different effective
     methods or devices across ranks, or any fallback (shown as requested -> selected ->
-    effective, repeats dropped, with the reason). Empty when every rank agrees."""
+    effective, repeats dropped, with the reason), or a switch from one peer to another.
+    Empty when every rank agrees."""
     warnings: list[str] = []
     by_method: dict[str, list[str]] = {}
     by_device: dict[str, list[str]] = {}
@@ -198,6 +203,8 @@ def mixed_method_warnings(reports: Sequence[RankReport]) -> list[str]:
             warnings.append(
                 f"{report.label} fell back: {' -> '.join(chain)}: {method.fallback_reason}"
             )
+        elif report.peer_switch:
+            warnings.append(f"{report.label} switched peers: {report.peer_switch}")
     return warnings
 
 

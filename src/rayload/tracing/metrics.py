@@ -19,7 +19,7 @@ Shape of :func:`startup_metrics`::
     {"model_role": "main", "method": "scratch", "slowest_rank": 1,
      "aggregate": {KEY: {"max", "mean", "min", "slowest_rank", "method"}, ...,
                    "read_gbps": {..., "total"}, "bytes_*": {..., "total"}},
-     "ranks": [{"rank", "node_id", "method", "fallback_reason", KEY: value, ...,
+     "ranks": [{"rank", "node_id", "method", "fallback_reason", "peer_switch", KEY: value,
                 "phases": {"rank.read": seconds, ...}}, ...]}
 
 ``method`` is the effective load method: per rank, and on every aggregate figure (the
@@ -153,6 +153,7 @@ def _rank_metrics(
         "node_id": report.node_id,
         "method": report.method.effective.value,
         "fallback_reason": report.method.fallback_reason,
+        "peer_switch": report.peer_switch,
         **{metric_key(key, model_role): value for key, value in values.items()},
         "phases": {name: _seconds(report.phase_seconds(name)) for name in PHASES},
     }
@@ -248,6 +249,8 @@ def format_metrics_table(metrics: dict[str, Any]) -> str:
     for rank in metrics["ranks"]:
         if rank["fallback_reason"]:
             lines.append(f"rank {rank['rank']} fell back: {rank['fallback_reason']}")
+        elif rank["peer_switch"]:
+            lines.append(f"rank {rank['rank']} switched peers: {rank['peer_switch']}")
     return "\n".join(lines)
 
 

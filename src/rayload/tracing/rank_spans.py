@@ -155,8 +155,9 @@ def _rank_provider(
 def report_attributes(report: RankReport) -> dict[str, Any]:
     """The ``rank.load`` attributes docs/design.md "Spans" fixes, taken from a :class:`RankReport`.
 
-    Pass the result as ``attributes`` of :func:`rank_spans_payload`. ``fallback_reason``
-    and ``node_id`` are None when not applicable and are then left off the span.
+    Pass the result as ``attributes`` of :func:`rank_spans_payload`. ``fallback_reason``,
+    ``peer_switch`` and ``node_id`` are None when not applicable and are then left off
+    the span.
     """
     return {
         "node_id": report.node_id,
@@ -165,6 +166,7 @@ def report_attributes(report: RankReport) -> dict[str, Any]:
         "method.selected": report.method.selected.value,
         "method.effective": report.method.effective.value,
         "fallback_reason": report.method.fallback_reason,
+        "peer_switch": report.peer_switch,
         "bytes": report.bytes_read,
         "bytes_from_storage": report.bytes_from_storage,
         "bytes_from_peers": report.bytes_from_peers,

@@ -58,6 +58,10 @@ class BackendResult:
     source: str = STORAGE_SOURCE
     """Where the tensors' bytes came from: ``storage``, or the peer's
     :func:`~rayload.loading.peer.source_label`."""
+    peer_switch: str | None = None
+    """Set when the peer given failed part way and another holder gave (some of) the rest:
+    who failed, why, and how many tensors came from where (the method is still ``peer``
+    when no byte came from storage)."""
 
 
 class Backend(ABC):

@@ -3,18 +3,22 @@
 ``rank.read`` allocates each shard's host tensor and copies the peer's bytes in
 (:func:`~rayload.loading.peer.receive_shards`: every planned tensor exactly once, each
 with exactly its shard's byte count); ``rank.to_device`` moves them to the device. When
-the peer fails part way, the tensors that had wholly arrived are kept and the others are
-read from storage with the ``storage`` method into the same memory (the load does not
-start over); when nothing had arrived, or the peer sent what the plan does not hold, the
-rank reads all of it from storage. Either is reported as a fallback: ``effective`` is
-the storage method, whose phases say ``rayload.source=storage``, and the reason says how
-many tensors came from where. Nothing half-loaded is returned.
+the peer fails part way (it died, stalled, or stopped sending), the tensors that had
+wholly arrived are kept and the others are asked of the peer's alternates in turn (other
+holders, nearest first: :meth:`~rayload.loading.peer.PeerSource.alternates`); when
+those give everything, the method is still ``peer`` and ``peer_switch`` names the
+switch. What none gave is read from storage with the ``storage`` method into the same
+memory, marked as it lands, so this rank's own receivers go on (the load does not start
+over); when nothing had landed, or a peer sent what the plan does not hold, the rank
+reads all of it from storage. Either is reported as a fallback: ``effective`` is the
+storage method, whose phases say ``rayload.source=storage``, and the reason says who
+failed and how many tensors came from where. Nothing half-loaded is returned.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -44,38 +48,33 @@ class PeerBackend(Backend):
 
     def _load(self, plan: RankPlan, device: torch.device, timer: PhaseTimer) -> BackendResult:
         peer = self._peer()
-        failure: PeerUnavailable | None = None
         with timer.phase(READ, bytes=plan.nbytes, **peer_attributes(peer)) as attrs:
             hosts = [torch.empty(s.shape, dtype=torch_dtype(s.dtype)) for s in plan.shards]
             views = [_bytes(h) for h in hosts]
-            names = [s.name for s in plan.shards]
-            arrivals = (self.publish or Arrivals)(names, views)
-            pieces = _Pieces(arrivals, timer.clock)
+            arrivals = (self.publish or Arrivals)([s.name for s in plan.shards], views)
             prefault = Prefaulter(views)
-
-            def landed(name: str, offset: int, length: int) -> None:
-                pieces.landed(name, offset, length)
-                prefault.advance(length)
-
             try:
-                received = receive_shards(plan, peer, views, landed)
-            except PeerUnavailable as exc:
-                failure = exc
-                attrs["peer.error"] = str(exc)
-            else:
-                attrs["bytes_from_peers"] = received
+                log = _receive(plan, peer, views, arrivals, prefault, timer)
             finally:
                 attrs["peer.prefault"] = prefault.stop()
+            if log.failures:
+                attrs["peer.error"] = log.failures[0][1]
+            if not arrivals.missing():
+                attrs["bytes_from_peers"] = log.nbytes
             if peer.via:
                 attrs["peer.via"] = peer.via
-        pieces.record(timer, source_label(peer))
-        if failure is not None:
-            missing = set(arrivals.missing())
-            if len(missing) == len(names) or isinstance(failure, PeerMismatch):
-                del hosts, views
-                return self._from_storage(plan, device, timer, peer, failure)
-            return self._rest_from_storage(plan, device, timer, peer, failure, hosts, arrivals)
-        return self._to_device(plan, device, timer, hosts, received, peer)
+            if log.switched:
+                attrs["peer.switch"] = log.account()
+        for pieces, source in log.pieces:
+            pieces.record(timer, source_label(source))
+        if not log.failures:
+            return self._to_device(plan, device, timer, hosts, log)
+        if log.mismatch or not log.landed:  # nothing to keep: storage reads it all, its way
+            del hosts, views
+            return self._from_storage(plan, device, timer, log)
+        if not arrivals.missing():  # every byte from peers: an alternate gave the rest
+            return self._to_device(plan, device, timer, hosts, log)
+        return self._rest_from_storage(plan, device, timer, log, hosts, arrivals)
 
     def _to_device(
         self,
@@ -83,8 +82,7 @@ class PeerBackend(Backend):
         device: torch.device,
         timer: PhaseTimer,
         hosts: list[torch.Tensor],
-        received: int,
-        peer: PeerSource,
+        log: _Received,
         *,
         bytes_read: int = 0,
         fallback_reason: str | None = None,
@@ -99,8 +97,9 @@ class PeerBackend(Backend):
             bytes_read,
             effective,
             fallback_reason=fallback_reason,
-            bytes_from_peers=received,
-            source=source_label(peer),
+            bytes_from_peers=log.nbytes,
+            source=source_label(log.largest()),
+            peer_switch=log.account() if log.switched else None,
         )
 
     def _rest_from_storage(
@@ -108,12 +107,11 @@ class PeerBackend(Backend):
         plan: RankPlan,
         device: torch.device,
         timer: PhaseTimer,
-        peer: PeerSource,
-        failure: PeerUnavailable,
+        log: _Received,
         hosts: list[torch.Tensor],
         arrivals: Arrivals,
     ) -> BackendResult:
-        """The peer failed after some tensors had arrived: keep those, read the others
+        """The peers failed after some tensors had arrived: keep those, read the others
         (each whole, one cut short included) from storage into the same memory, then move
         them all. The load does not start over; the result (``effective``: the storage
         method) names the switch and how much came from where."""
@@ -125,21 +123,14 @@ class PeerBackend(Backend):
             result = storage._load_into(rest, torch.device("cpu"), timer, views, set())
         for shard in rest.shards:  # a storage method that publishes nothing as it reads
             arrivals.landed_name(shard.name, 0, shard.nbytes)
-        received = plan.nbytes - rest.nbytes
-        reason = (
-            f"{peer.describe()} failed mid-transfer: {failure}; {len(plan.shards) - len(missing)} "
-            f"of {len(plan.shards)} tensors ({received} bytes) had arrived and were kept, the "
-            f"other {len(missing)} ({rest.nbytes} bytes) were read from storage"
-        )
         return self._to_device(
             plan,
             device,
             timer,
             hosts,
-            received,
-            peer,
+            log,
             bytes_read=result.bytes_read,
-            fallback_reason=_joined(reason, result),
+            fallback_reason=_joined(log.account(rest), result),
         )
 
     def _peer(self) -> PeerSource:
@@ -152,20 +143,15 @@ class PeerBackend(Backend):
         return self.peer
 
     def _from_storage(
-        self,
-        plan: RankPlan,
-        device: torch.device,
-        timer: PhaseTimer,
-        peer: PeerSource,
-        failure: PeerUnavailable,
+        self, plan: RankPlan, device: torch.device, timer: PhaseTimer, log: _Received
     ) -> BackendResult:
         """Read ``plan`` with the storage method, its phases tagged ``source=storage``;
-        the result says the peer failed and why (joined with the storage method's own
+        the result says the peers failed and why (joined with the storage method's own
         fallback reason, when it has one)."""
         storage = self._storage_backend(publish=self.publish)
         with timer.tagged(source=STORAGE_SOURCE):
             result = storage._load(plan, device, timer)
-        reason = f"{peer.describe()} failed mid-transfer: {failure}; read from storage instead"
+        reason = f"{log.failed()}; read from storage instead"
         return replace(result, fallback_reason=_joined(reason, result))
 
     def _storage_backend(self, *, publish: Publish | None) -> Backend:
@@ -174,6 +160,106 @@ class PeerBackend(Backend):
         return BACKENDS[self.storage](
             self.probe, checkpoint=self.checkpoint, options=self.options, publish=publish
         )
+
+
+@dataclass
+class _Received:
+    """What a rank's peers gave (``given``: each source that gave whole tensors, with how
+    many and their bytes, in order) and how they failed (``failures``: each source that
+    failed, and why; ``mismatch``: one sent what the plan does not hold), with each
+    source's :class:`_Pieces`."""
+
+    plan: RankPlan
+    given: list[tuple[PeerSource, int, int]] = field(default_factory=list)
+    failures: list[tuple[PeerSource, str]] = field(default_factory=list)
+    mismatch: bool = False
+    pieces: list[tuple[_Pieces, PeerSource]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(nbytes for _, _, nbytes in self.given)
+
+    @property
+    def landed(self) -> int:
+        """Bytes that landed from the sources, whole tensors or not (what this rank's own
+        receivers may have had already)."""
+        return sum(pieces.nbytes for pieces, _ in self.pieces)
+
+    @property
+    def switched(self) -> bool:
+        """Whether an alternate gave some of the tensors (the first source failed)."""
+        return bool(self.failures) and any(s is not self.failures[0][0] for s, _, _ in self.given)
+
+    def largest(self) -> PeerSource:
+        """The source that gave the most bytes (the first asked, when none gave any)."""
+        if not self.given:
+            return self.failures[0][0]
+        return max(self.given, key=lambda g: g[2])[0]
+
+    def failed(self) -> str:
+        """``<first source> failed mid-transfer: <why>``, then each alternate that failed
+        too."""
+        (first, why), *others = self.failures
+        return "; ".join(
+            [f"{first.describe()} failed mid-transfer: {why}"]
+            + [f"{source.describe()} failed too: {why}" for source, why in others]
+        )
+
+    def account(self, rest: RankPlan | None = None) -> str:
+        """How the failures went and how many tensors came from where: kept from the
+        first source, then from each alternate, then ``rest`` read from storage."""
+        first = self.failures[0][0]
+        kept = next(((n, b) for source, n, b in self.given if source is first), (0, 0))
+        parts = [
+            f"{kept[0]} of {len(self.plan.shards)} tensors ({kept[1]} bytes) had arrived and "
+            "were kept",
+            *(
+                f"{n} ({b} bytes) came from {s.describe()}"
+                for s, n, b in self.given
+                if s is not first
+            ),
+        ]
+        if rest is not None:
+            parts.append(
+                f"the other {len(rest.shards)} ({rest.nbytes} bytes) were read from storage"
+            )
+        return f"{self.failed()}; {', '.join(parts)}"
+
+
+def _receive(
+    plan: RankPlan,
+    peer: PeerSource,
+    views: Sequence[torch.Tensor],
+    arrivals: Arrivals,
+    prefault: Prefaulter,
+    timer: PhaseTimer,
+) -> _Received:
+    """Have ``peer`` fill ``views`` (each shard's memory) with ``plan``'s shards, then, when
+    it fails part way, each of its alternates in turn with what is still missing; every
+    range is marked in ``arrivals`` as it lands (this rank's own receivers follow them)
+    and in each source's :class:`_Pieces` (a :data:`PIECES` span naming it)."""
+    log = _Received(plan)
+    view = {shard.name: v for shard, v in zip(plan.shards, views, strict=True)}
+    for source in [peer, *peer.alternates()]:
+        missing = set(arrivals.missing())
+        part = replace(plan, shards=tuple(s for s in plan.shards if s.name in missing))
+        pieces = _Pieces(arrivals, timer.clock)
+
+        def landed(name: str, offset: int, length: int, pieces: _Pieces = pieces) -> None:
+            pieces.landed(name, offset, length)
+            prefault.advance(length)
+
+        try:
+            receive_shards(part, source, [view[s.name] for s in part.shards], landed)
+        except PeerUnavailable as exc:
+            log.failures.append((source, str(exc)))
+            log.mismatch = isinstance(exc, PeerMismatch)
+        log.pieces.append((pieces, source))
+        if gave := missing - set(arrivals.missing()):
+            log.given.append((source, len(gave), sum(view[n].numel() for n in gave)))
+        if not log.failures or log.mismatch or not arrivals.missing():
+            break
+    return log
 
 
 class _Rest(Arrivals):
