@@ -248,6 +248,10 @@ def test_a_replica_killed_mid_pipeline_its_downstream_gets_the_rest_from_the_one
     ]
     kept = spans[0].attributes["bytes"]
     assert 0 < kept < shard and kept + spans[1].attributes["bytes"] >= shard
+    gap = (spans[1].start_ns - spans[0].end_ns) / 1e9
+    print(
+        f"measured: the third's last piece from the killed middle to its first from 0: {gap:.3f} s"
+    )
     # The fourth never saw the switch: all of it came from the third, which forwarded
     # the root's bytes as they landed (pieces came while they were still coming).
     onward, onward_digests = chain.outcome[fourth]
@@ -325,6 +329,9 @@ def test_a_replica_stalled_mid_pipeline_the_one_below_reads_the_rest_and_goes_on
         if p.name == "rank.read" and p.attributes.get("source") == "storage"
     ]
     assert _pieces_during(onward, rest_read.start_ns, rest_read.end_ns) > 0
+    [pieces_1] = [p for p in report.phases if p.name == PIECES]
+    waited = (rest_read.start_ns - pieces_1.end_ns) / 1e9
+    print(f"measured: 1's last piece from the frozen 0 to its storage read: {waited:.3f} s")
 
 
 def test_a_tp_group_sharing_its_split1_fetches_forwards_while_it_loads(

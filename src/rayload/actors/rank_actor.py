@@ -50,13 +50,8 @@ from rayload.actors.messages import (
     RankSetup,
     RankState,
 )
-from rayload.actors.peers import (
-    PEER_GROUP,
-    PeerChannel,
-    RayPeerSource,
-    ShardServer,
-    SharedCopy,
-)
+from rayload.actors.peer_receiver import RayPeerSource
+from rayload.actors.peers import PEER_GROUP, PeerChannel, ShardServer, SharedCopy
 from rayload.actors.process_group import free_port, join_process_group, leave_process_group
 from rayload.import_clock import IMPORT_START_NS, TORCH_CHILD_IMPORTS, TORCH_IMPORTED_NS
 from rayload.loading import load_rank

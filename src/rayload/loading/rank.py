@@ -3,10 +3,9 @@
 :func:`load_rank` is the whole rank load in order, one :class:`PhaseTimer` phase per step:
 ``rank.resolve`` (headers, environment probe, method and device; for fastsafetensors on a
 converted checkpoint also the CRC-32 of the rank's files, which that backend does not
-check), ``rank.plan`` (this
-rank's byte ranges), the backend's ``rank.read`` / ``rank.to_device`` / ``rank.sync``,
-then ``rank.post_load``. The Ray rank actor calls it with its own timer so the phases of a
-failed load survive the exception.
+check), ``rank.plan`` (this rank's byte ranges), the backend's ``rank.read`` /
+``rank.to_device`` / ``rank.sync``, then ``rank.post_load``. The Ray rank actor calls
+it with its own timer so the phases of a failed load survive the exception.
 """
 
 from __future__ import annotations

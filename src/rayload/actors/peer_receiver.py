@@ -1,0 +1,132 @@
+"""The receiver's half of the ``peer`` method's transport (the holder's is
+:mod:`rayload.actors.peers`): :class:`RayPeerSource`, a
+:class:`~rayload.loading.peer.PeerSource` over Ray.
+
+It asks the holder for a channel (waiting, within the load's time, while a holder that is
+itself loading finishes), checks that the holder has exactly the shards of the
+receiver's plan (or, for an alternate, the part it still lacks), joins the group as rank
+1 and receives each tensor of :data:`~rayload.actors.channel.BUCKET_BYTES` or more
+straight into the memory the ``peer`` backend allocated for it (smaller ones arrive in a
+packed bucket and are copied out), over the network or loopback, nothing through Ray's
+object store. Anything that fails (the holder's actor died, its socket closed, no piece
+for a stall's time, a plan that differs) becomes
+:class:`~rayload.loading.peer.PeerUnavailable`: the ``peer`` backend then asks the
+source's :meth:`~RayPeerSource.alternates`, then storage, and reports the switch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayError, RayTaskError
+
+from rayload.actors.channel import STALL_S, TRANSFER_TIMEOUT_S, PeerChannel, receive
+from rayload.actors.peers import PeerRef, SharedCopy
+from rayload.loading.peer import Landed, PeerUnavailable
+from rayload.loading.plan import RankPlan
+
+
+class RayPeerSource:
+    """A :class:`~rayload.loading.peer.PeerSource` over Ray: the holder ``ref`` sends, this
+    rank (on node ``node_id``, address ``host``) receives: from the holder's shared copy
+    when it is on this node and has one, else over a channel. ``wait_s`` bounds the wait
+    for a holder that is still loading, ``stall_s`` the wait for each piece
+    (:data:`~rayload.actors.channel.STALL_S`); ``part``: the plans this source is given
+    are some of the holder's shards (an alternate's: what another holder did not give).
+    ``via`` says which way the bytes came."""
+
+    def __init__(
+        self,
+        ref: PeerRef,
+        *,
+        host: str,
+        node_id: str | None,
+        wait_s: float,
+        stall_s: float = STALL_S,
+        part: bool = False,
+    ) -> None:
+        self.ref = ref
+        self.replica = ref.replica
+        self.rank = ref.rank
+        self.node_id = ref.node_id
+        self.via = ""
+        self._host = host
+        self._own_node = node_id
+        self._wait_s = wait_s
+        self._stall_s = stall_s
+        self._part = part
+
+    def describe(self) -> str:
+        return self.ref.describe()
+
+    def alternates(self) -> list[RayPeerSource]:
+        """The ref's alternates, each waited for no longer than a stall (one that does not
+        answer is passed over quickly: storage is the last resort)."""
+        return [
+            RayPeerSource(
+                alt,
+                host=self._host,
+                node_id=self._own_node,
+                wait_s=min(self._wait_s, self._stall_s),
+                stall_s=self._stall_s,
+                part=True,
+            )
+            for alt in self.ref.alternates
+        ]
+
+    def fetch(
+        self,
+        plan: RankPlan,
+        destinations: Sequence[torch.Tensor],
+        landed: Landed | None = None,
+    ) -> Iterator[str]:
+        want = {shard.name: shard.nbytes for shard in plan.shards}
+        into = {shard.name: d for shard, d in zip(plan.shards, destinations, strict=True)}
+        same_node = self.node_id is not None and self.node_id == self._own_node
+        copy: SharedCopy | None = None
+        if same_node:
+            copy = _get(self.ref.actor.shared_copy.remote(want, self._part), self._stall_s)
+        if copy is not None:
+            self.via = "object_store"
+            yield from _copy_out(copy, into)
+            return
+        self.via = "gloo"
+        stall_s = self._stall_s * self.ref.depth
+        yield from receive(self._channel(want), self._host, into, landed, stall_s=stall_s)
+
+    def _channel(self, want: Mapping[str, int]) -> PeerChannel:
+        actor = self.ref.actor
+        ref = actor.open_channel.remote(self._wait_s, want, self.ref.stream, self._part)
+        channel: PeerChannel = _get(ref, self._wait_s + min(TRANSFER_TIMEOUT_S, self._stall_s))
+        return channel
+
+
+def _get(ref: Any, timeout_s: float) -> Any:
+    """``ray.get`` with Ray's failures as PeerUnavailable (a holder's own exception in
+    its own words)."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except GetTimeoutError as exc:
+        raise PeerUnavailable(f"no answer from the holder within {timeout_s:.0f} s") from exc
+    except RayTaskError as exc:  # the holder said why: its own words
+        raise PeerUnavailable(str(exc.cause) or type(exc.cause).__name__) from exc
+    except RayError as exc:
+        first = next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        raise PeerUnavailable(f"{type(exc).__name__} while asking the holder: {first}") from exc
+
+
+def _copy_out(copy: SharedCopy, into: Mapping[str, torch.Tensor]) -> Iterator[str]:
+    """Copy those of a shared copy's tensors that ``into`` has memory for (1-D uint8) into
+    it, object by object, yielding each name once its bytes are in place."""
+    for names, ref in zip(copy.names, copy.refs, strict=True):
+        if not any(name in into for name in names):
+            continue
+        arrays = _get(ref, TRANSFER_TIMEOUT_S)
+        for name, array in zip(names, arrays, strict=True):
+            if name in into:
+                into[name].numpy()[:] = array
+                yield name
+        del arrays
