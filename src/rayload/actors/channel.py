@@ -118,11 +118,14 @@ def receive(
                 for (k, _, _), part in zip(piece, packed.split(lengths), strict=True):
                     into[channel.names[k]].copy_(part)
         except Exception as exc:
+            total = sum(channel.sizes)
             if time.monotonic() - waited < stall_s * 0.9:
-                raise
+                raise PeerUnavailable(
+                    f"the channel broke after {received} of {total} bytes: {_gloo_error(exc)}"
+                ) from exc
             raise PeerUnavailable(
                 f"the holder stalled: no piece came for {stall_s:g} s, after {received} of "
-                f"{sum(channel.sizes)} bytes"
+                f"{total} bytes"
             ) from exc
         received += sum(lengths)
         for k, start, stop in piece:
@@ -131,6 +134,15 @@ def receive(
                 landed(name, start, stop - start)
             if stop == channel.sizes[k]:
                 yield name
+
+
+def _gloo_error(exc: Exception) -> str:
+    """What a failed gloo operation says, without its source location and advice: e.g.
+    ``Connection closed by peer [10.0.0.2]:43656``."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if text.startswith("[") and "] " in text:  # "[.../pair.cc:553] Connection closed ..."
+        text = text.split("] ", 1)[1]
+    return text.split(". This is typically", 1)[0].rstrip(".")
 
 
 Piece = tuple[tuple[int, int, int], ...]
