@@ -4,6 +4,7 @@ reads storage instead, reported as a fallback, whenever the source fails."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from rayload.errors import MethodUnavailableError
 from rayload.loading import load_rank, plan_shards
+from rayload.loading.arrivals import Arrivals
 from rayload.loading.backends.peer import PIECES
 from rayload.loading.methods import LoadMethod
 from rayload.loading.peer import PeerUnavailable, receive_shards, source_label
@@ -261,6 +263,31 @@ def test_every_peer_failing_the_rest_is_read_from_storage_each_failure_named(
     assert report.bytes_from_peers == _bytes_of(shards[:3])
     assert report.bytes_read > 0
     assert report.peer_switch is not None and "came from replica 77aa" in report.peer_switch
+
+
+def test_a_publishing_rank_whose_peer_gave_nothing_reads_storage_into_the_same_arrivals(
+    llama: Path,
+) -> None:
+    """A rank that forwards (``publish``) keeps its one Arrivals when its peer fails before
+    any byte: its own receivers follow the storage read instead of being cut off."""
+    published: list[Arrivals] = []
+
+    def publish(names: Sequence[str], buffers: Sequence[torch.Tensor]) -> Arrivals:
+        published.append(Arrivals(names, buffers))
+        return published[-1]
+
+    expected, _ = _storage(llama)
+    tensors, report = load_rank(
+        llama, 1, TP, "peer", peer=_holder(llama, fail_after=0), publish=publish
+    )
+    _assert_equal(tensors, expected)
+    assert report.method.effective is LoadMethod.SCRATCH
+    assert len(published) == 1, "published once: the receivers' arrivals were never replaced"
+    assert published[0].missing() == []
+    shards = plan_shards(llama, TP).ranks[1].shards
+    assert f"0 of {len(shards)} tensors (0 bytes) had arrived and were kept" in (
+        report.method.fallback_reason or ""
+    )
 
 
 def test_an_alternate_is_asked_for_nothing_when_the_first_peer_gave_everything(

@@ -25,11 +25,13 @@ TRANSFER_TIMEOUT_S = 120.0
 to cross), and for the holder to answer once it has finished loading."""
 
 STALL_S = 60.0
-"""The longest a receiver waits for its next piece before it takes its holder as stalled
-(a frozen process, a link that drops everything) and gets the rest elsewhere: longer than
+"""How long a receiver waits for its next piece, times its depth in the tree
+(:attr:`~rayload.actors.peers.PeerRef.depth`), before it takes its holder as stalled (a
+frozen process, a link that drops everything) and gets the rest elsewhere: longer than
 one storage request's read time-out (30 s, retried), so that a holder whose own read is
-retrying is not taken for stalled, and shorter than :data:`TRANSFER_TIMEOUT_S`, the
-holder's own wait for its bytes, so that the receiver, not the holder, decides."""
+retrying is not taken for stalled. The holder's sender waits for its own bytes as long as
+the receiver's load may last (at least :data:`TRANSFER_TIMEOUT_S`), so that the receiver,
+not the holder, decides."""
 
 JOIN_TIMEOUT_S = 30.0
 """The longest a channel's store waits for its other side: a receiver that never comes, a

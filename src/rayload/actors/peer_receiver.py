@@ -16,6 +16,7 @@ source's :meth:`~RayPeerSource.alternates`, then storage, and reports the switch
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -63,14 +64,14 @@ class RayPeerSource:
         return self.ref.describe()
 
     def alternates(self) -> list[RayPeerSource]:
-        """The ref's alternates, each waited for no longer than a stall (one that does not
-        answer is passed over quickly: storage is the last resort)."""
+        """The ref's alternates, each given one stall's time in all to answer (one that
+        does not is passed over: storage is the last resort)."""
         return [
             RayPeerSource(
                 alt,
                 host=self._host,
                 node_id=self._own_node,
-                wait_s=min(self._wait_s, self._stall_s),
+                wait_s=self._stall_s,
                 stall_s=self._stall_s,
                 part=True,
             )
@@ -85,23 +86,36 @@ class RayPeerSource:
     ) -> Iterator[str]:
         want = {shard.name: shard.nbytes for shard in plan.shards}
         into = {shard.name: d for shard, d in zip(plan.shards, destinations, strict=True)}
+        answer_by = time.monotonic() + self._wait_s + self._slack
         same_node = self.node_id is not None and self.node_id == self._own_node
         copy: SharedCopy | None = None
         if same_node:
-            copy = _get(self.ref.actor.shared_copy.remote(want, self._part), self._stall_s)
+            left = max(min(self._stall_s, answer_by - time.monotonic()), 0.1)
+            copy = _get(self.ref.actor.shared_copy.remote(want, self._part), left)
         if copy is not None:
             self.via = "object_store"
             yield from _copy_out(copy, into)
             return
         self.via = "gloo"
         stall_s = self._stall_s * self.ref.depth
-        yield from receive(self._channel(want), self._host, into, landed, stall_s=stall_s)
+        channel = self._channel(want, answer_by - self._slack)
+        yield from receive(channel, self._host, into, landed, stall_s=stall_s)
 
-    def _channel(self, want: Mapping[str, int]) -> PeerChannel:
-        actor = self.ref.actor
-        ref = actor.open_channel.remote(self._wait_s, want, self.ref.stream, self._part)
-        channel: PeerChannel = _get(ref, self._wait_s + min(TRANSFER_TIMEOUT_S, self._stall_s))
+    def _channel(self, want: Mapping[str, int], wait_until: float) -> PeerChannel:
+        """A channel from the holder, which may wait for its load until ``wait_until``
+        (``time.monotonic()``); its answer waited for a stall longer at most (an
+        alternate: not at all)."""
+        wait_s = max(wait_until - time.monotonic(), 0.0)
+        ref = self.ref.actor.open_channel.remote(wait_s, want, self.ref.stream, self._part)
+        channel: PeerChannel = _get(ref, max(wait_s + self._slack, 1.0))
         return channel
+
+    @property
+    def _slack(self) -> float:
+        """How much longer than its wait the holder may take to answer: a stall for the
+        holder given (its load may be busy), none for an alternate (``wait_s`` is all it
+        gets)."""
+        return 0.0 if self._part else min(TRANSFER_TIMEOUT_S, self._stall_s)
 
 
 def _get(ref: Any, timeout_s: float) -> Any:

@@ -45,27 +45,29 @@ class Arrivals:
     def nbytes(self) -> dict[str, int]:
         return dict(zip(self.names, self.sizes, strict=True))
 
-    def landed(self, index: int, offset: int, length: int) -> bool:
-        """Bytes ``offset .. offset + length`` of tensor ``index`` are in place; False when
-        they had been already (told twice)."""
+    def landed(self, index: int, offset: int, length: int) -> int:
+        """Bytes ``offset .. offset + length`` of tensor ``index`` are in place; returns how
+        many of them are new past the tensor's arrived prefix (0: told twice; a range
+        past the prefix counts whole)."""
         if length <= 0:
-            return False
+            return 0
         with self._changed:
             done, pending = self._done[index], self._pending[index]
             if offset + length <= done:
-                return False
+                return 0
             if offset > done:
                 pending.append((offset, offset + length))
-                return True
+                return length
+            new = offset + length - done
             done = max(done, offset + length)
             pending.sort()
             while pending and pending[0][0] <= done:
                 done = max(done, pending.pop(0)[1])
             self._done[index] = done
             self._changed.notify_all()
-            return True
+            return new
 
-    def landed_name(self, name: str, offset: int, length: int) -> bool:
+    def landed_name(self, name: str, offset: int, length: int) -> int:
         """:meth:`landed` by tensor name."""
         return self.landed(self._index[name], offset, length)
 

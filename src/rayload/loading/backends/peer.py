@@ -69,7 +69,9 @@ class PeerBackend(Backend):
             pieces.record(timer, source_label(source))
         if not log.failures:
             return self._to_device(plan, device, timer, hosts, log)
-        if log.mismatch or not log.landed:  # nothing to keep: storage reads it all, its way
+        if log.mismatch or (not log.landed and self.publish is None):
+            # Nothing to keep, and no receiver of this rank's to keep going: storage reads
+            # it all, its own way (straight to the device where it can).
             del hosts, views
             return self._from_storage(plan, device, timer, log)
         if not arrivals.missing():  # every byte from peers: an alternate gave the rest
@@ -115,10 +117,8 @@ class PeerBackend(Backend):
         (each whole, one cut short included) from storage into the same memory, then move
         them all. The load does not start over; the result (``effective``: the storage
         method) names the switch and how much came from where."""
-        missing = set(arrivals.missing())
         storage = self._storage_backend(publish=partial(_Rest, arrivals))
-        rest = replace(plan, shards=tuple(s for s in plan.shards if s.name in missing))
-        views = [_bytes(h) for s, h in zip(plan.shards, hosts, strict=True) if s.name in missing]
+        rest, views = _missing_part(plan, arrivals, [_bytes(h) for h in hosts])
         with timer.tagged(source=STORAGE_SOURCE):
             result = storage._load_into(rest, torch.device("cpu"), timer, views, set())
         for shard in rest.shards:  # a storage method that publishes nothing as it reads
@@ -170,6 +170,7 @@ class _Received:
     source's :class:`_Pieces`."""
 
     plan: RankPlan
+    first: PeerSource
     given: list[tuple[PeerSource, int, int]] = field(default_factory=list)
     failures: list[tuple[PeerSource, str]] = field(default_factory=list)
     mismatch: bool = False
@@ -193,7 +194,7 @@ class _Received:
     def largest(self) -> PeerSource:
         """The source that gave the most bytes (the first asked, when none gave any)."""
         if not self.given:
-            return self.failures[0][0]
+            return self.first
         return max(self.given, key=lambda g: g[2])[0]
 
     def failed(self) -> str:
@@ -238,11 +239,11 @@ def _receive(
     it fails part way, each of its alternates in turn with what is still missing; every
     range is marked in ``arrivals`` as it lands (this rank's own receivers follow them)
     and in each source's :class:`_Pieces` (a :data:`PIECES` span naming it)."""
-    log = _Received(plan)
+    log = _Received(plan, peer)
     view = {shard.name: v for shard, v in zip(plan.shards, views, strict=True)}
     for source in [peer, *peer.alternates()]:
-        missing = set(arrivals.missing())
-        part = replace(plan, shards=tuple(s for s in plan.shards if s.name in missing))
+        part, part_views = _missing_part(plan, arrivals, views)
+        missing = {shard.name for shard in part.shards}
         pieces = _Pieces(arrivals, timer.clock)
 
         def landed(name: str, offset: int, length: int, pieces: _Pieces = pieces) -> None:
@@ -250,7 +251,7 @@ def _receive(
             prefault.advance(length)
 
         try:
-            receive_shards(part, source, [view[s.name] for s in part.shards], landed)
+            receive_shards(part, source, part_views, landed)
         except PeerUnavailable as exc:
             log.failures.append((source, str(exc)))
             log.mismatch = isinstance(exc, PeerMismatch)
@@ -260,6 +261,16 @@ def _receive(
         if not log.failures or log.mismatch or not arrivals.missing():
             break
     return log
+
+
+def _missing_part(
+    plan: RankPlan, arrivals: Arrivals, views: Sequence[torch.Tensor]
+) -> tuple[RankPlan, list[torch.Tensor]]:
+    """The part of ``plan`` whose tensors have not wholly arrived, and their memory (of
+    ``views``, every shard's)."""
+    missing = set(arrivals.missing())
+    kept = [(s, v) for s, v in zip(plan.shards, views, strict=True) if s.name in missing]
+    return replace(plan, shards=tuple(s for s, _ in kept)), [v for _, v in kept]
 
 
 class _Rest(Arrivals):
@@ -273,7 +284,7 @@ class _Rest(Arrivals):
         super().__init__(names, buffers)
         self._plan = arrivals
 
-    def landed(self, index: int, offset: int, length: int) -> bool:
+    def landed(self, index: int, offset: int, length: int) -> int:
         self._plan.landed_name(self.names[index], offset, length)
         return super().landed(index, offset, length)
 
@@ -302,9 +313,9 @@ class _Pieces:
         self.nbytes = 0
 
     def landed(self, name: str, offset: int, length: int) -> None:
-        if self._arrivals.landed_name(name, offset, length):
+        if new := self._arrivals.landed_name(name, offset, length):
             self.times.append(self._clock())
-            self.nbytes += length
+            self.nbytes += new
 
     def record(self, timer: PhaseTimer, source: str) -> None:
         if not self.times:
