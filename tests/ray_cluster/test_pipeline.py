@@ -33,10 +33,13 @@ from ray.util.state import get_actor
 
 import rayload
 from rayload.actors.directory import call, directory
+from rayload.actors.peer_receiver import RayPeerSource
+from rayload.actors.peers import PeerRef
 from rayload.errors import RayloadError
 from rayload.loading import load_rank, plan_shards, write_checkpoint
 from rayload.loading.backends.peer import PIECES
 from rayload.loading.methods import LoadMethod
+from rayload.loading.peer import PeerUnavailable
 from rayload.tracing import schema
 from support.s3 import S3Server, s3_server
 
@@ -333,6 +336,44 @@ def test_a_replica_stalled_mid_pipeline_the_one_below_reads_the_rest_and_goes_on
     [pieces_1] = [p for p in report.phases if p.name == PIECES]
     waited = (rest_read.start_ns - pieces_1.end_ns) / 1e9
     print(f"measured: 1's last piece from the frozen 0 to its storage read: {waited:.3f} s")
+
+
+@ray.remote(num_cpus=0)
+class _Holder:
+    """Stands for a holder's rank actor (the methods a receiver calls); the test stops
+    its process, as a frozen process or a lost node would be."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def open_channel(self, *args: Any) -> None:
+        time.sleep(3600)
+
+    def peer_ping(self) -> int:
+        return 0
+
+
+def test_a_holder_frozen_before_it_answers_is_given_up_within_a_stall_not_the_load_s_time(
+    pipeline_url: tuple[str, Path],
+) -> None:
+    _url, local = pipeline_url
+    plan = plan_shards(local, 1).ranks[0]
+    holder = _Holder.remote()  # type: ignore[attr-defined]
+    pid = ray.get(holder.pid.remote())
+    ref = PeerRef(replica="f0", rank=0, node_id=None, actor=holder, loading=True, stream=True)
+    source = RayPeerSource(ref, host="127.0.0.1", node_id=None, wait_s=300.0, stall_s=1.0)
+    destinations = [torch.empty(s.nbytes, dtype=torch.uint8) for s in plan.shards]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(PeerUnavailable, match="no answer from the holder within 1 s"):
+            list(source.fetch(plan, destinations))
+        waited = time.monotonic() - start
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        ray.kill(holder)
+    print(f"measured: a frozen holder given up after {waited:.2f} s (the load's wait: 300 s)")
+    assert waited < 60, "it waited the load's time, not a stall's"
 
 
 def test_a_tp_group_sharing_its_split1_fetches_forwards_while_it_loads(

@@ -106,8 +106,12 @@ class RayPeerSource:
         (``time.monotonic()``); its answer waited for a stall longer at most (an
         alternate: not at all)."""
         wait_s = max(wait_until - time.monotonic(), 0.0)
-        ref = self.ref.actor.open_channel.remote(wait_s, want, self.ref.stream, self._part)
-        channel: PeerChannel = _get(ref, max(wait_s + self._slack, 1.0))
+        actor = self.ref.actor
+        ref = actor.open_channel.remote(wait_s, want, self.ref.stream, self._part)
+        timeout_s = max(wait_s + self._slack, 1.0)
+        if self.ref.stream:  # answered once its load knows its tensors: keep checking it lives
+            _answered_or_alive(ref, actor, timeout_s, self._stall_s)
+        channel: PeerChannel = _get(ref, timeout_s)
         return channel
 
     @property
@@ -116,6 +120,19 @@ class RayPeerSource:
         holder given (its load may be busy), none for an alternate (``wait_s`` is all it
         gets)."""
         return 0.0 if self._part else min(TRANSFER_TIMEOUT_S, self._stall_s)
+
+
+def _answered_or_alive(ref: Any, actor: Any, timeout_s: float, stall_s: float) -> None:
+    """Return once ``ref`` (a call to ``actor``) is answered or ``timeout_s`` has passed,
+    asking ``actor`` every ``stall_s`` whether it is alive (``peer_ping``, which its peer
+    threads answer while its load runs); PeerUnavailable when it does not answer within a
+    stall (a frozen process, a lost node), instead of waiting out the load's time."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        ready, _ = ray.wait([ref], timeout=min(stall_s, left))
+        if ready:
+            return
+        _get(actor.peer_ping.remote(), stall_s)
 
 
 def _get(ref: Any, timeout_s: float) -> Any:
