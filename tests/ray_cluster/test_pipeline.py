@@ -214,7 +214,7 @@ def test_a_replica_killed_mid_pipeline_its_downstream_gets_the_rest_from_the_one
     plan = plan_shards(local, 1).ranks[0]
     shard = plan.nbytes
     set_test_hooks(peer_bucket_bytes=PIECE_BYTES)
-    slow_link(2e6)  # replica 0 reads for about 8 s
+    slow_link(3e6)  # replica 0 reads for about 5 s
     s3.proxy.clear()
     chain = _Chain(url)
     held = threading.Barrier(3, timeout=180)  # 0, third and fourth close together
