@@ -214,7 +214,7 @@ def test_a_replica_killed_mid_pipeline_its_downstream_gets_the_rest_from_the_one
     plan = plan_shards(local, 1).ranks[0]
     shard = plan.nbytes
     set_test_hooks(peer_bucket_bytes=PIECE_BYTES)
-    slow_link(3e6)  # replica 0 reads for about 5 s
+    slow_link(2e6)  # replica 0 reads for about 8 s: the kill lands while it reads
     s3.proxy.clear()
     chain = _Chain(url)
     held = threading.Barrier(3, timeout=180)  # 0, third and fourth close together
@@ -287,7 +287,7 @@ def test_a_replica_stalled_mid_pipeline_the_one_below_reads_the_rest_and_goes_on
     shard = plan.nbytes
     stall_s = 3.0
     set_test_hooks(peer_bucket_bytes=PIECE_BYTES, peer_stall_s=stall_s)
-    slow_link(4e6)  # replica 0 reads for about 4 s
+    slow_link(3e6)  # replica 0 reads for about 5 s: the freeze lands while it reads
     chain = _Chain(url)
     chain.start(replicas=2)
     entries = chain.registered(2)
