@@ -242,6 +242,46 @@ def test_a_peer_failing_part_way_its_alternate_gives_the_rest_and_storage_is_not
     assert f"rank 1 switched peers: {switch}" in table
 
 
+def test_a_tensor_cut_short_is_resumed_by_the_alternate_from_where_its_bytes_stopped(
+    llama: Path,
+) -> None:
+    expected, _ = _storage(llama)
+    shards = plan_shards(llama, TP).ranks[1].shards
+    cut_name, cut = shards[2].name, shards[2].nbytes // 2
+    assert cut > 0
+    alternate = _holder(llama, part=True)
+    alternate.replica = "77aa"
+    peer = _holder(llama, fail_after=2, cut_at=cut, others=[alternate])
+    tensors, report = load_rank(llama, 1, TP, "peer", peer=peer)
+    _assert_equal(tensors, expected)
+    assert alternate.asked == {cut_name: cut}, "asked for what is left of the cut tensor only"
+    kept, rest = _bytes_of(shards[:2]) + cut, _bytes_of(shards[2:]) - cut
+    assert (report.bytes_read, report.bytes_from_peers) == (0, kept + rest)
+    pieces = [p for p in report.phases if p.name == PIECES]
+    assert [p.attributes["bytes"] for p in pieces] == [kept, rest], "each byte once"
+    assert (
+        f"2 of {len(shards)} tensors ({kept} bytes) had arrived and were kept, "
+        f"{len(shards) - 2} ({rest} bytes, {cut_name!r} from byte {cut} on) came from "
+        "replica 77aa rank 1"
+    ) in (report.peer_switch or "")
+
+
+def test_a_tensor_cut_short_is_read_whole_from_storage_and_its_first_bytes_not_counted_kept(
+    llama: Path,
+) -> None:
+    expected, _ = _storage(llama)
+    shards = plan_shards(llama, TP).ranks[1].shards
+    peer = _holder(llama, fail_after=2, cut_at=shards[2].nbytes // 2)
+    tensors, report = load_rank(llama, 1, TP, "peer", peer=peer)
+    _assert_equal(tensors, expected)
+    kept = _bytes_of(shards[:2])
+    assert report.bytes_from_peers == kept
+    assert (
+        f"2 of {len(shards)} tensors ({kept} bytes) had arrived and were kept, the other "
+        f"{len(shards) - 2} ({_bytes_of(shards[2:])} bytes) were read from storage"
+    ) in (report.method.fallback_reason or "")
+
+
 def test_every_peer_failing_the_rest_is_read_from_storage_each_failure_named(
     llama: Path,
 ) -> None:
@@ -308,7 +348,7 @@ def test_failing_peer_under_strict_raises_method_unavailable(llama: Path) -> Non
 
 def test_fetch_that_raises_when_called_falls_back(llama: Path) -> None:
     class Refusing(TensorPeer):
-        def fetch(self, plan, destinations, landed=None):  # type: ignore[no-untyped-def]
+        def fetch(self, plan, destinations, landed=None, offsets=None):  # type: ignore[no-untyped-def]
             raise PeerUnavailable("the holder replica was shut down")
 
     tensors, _ = _storage(llama)
@@ -322,9 +362,9 @@ def test_receive_shards_closes_the_peer_iterator_when_it_fails(llama: Path) -> N
     peer = _holder(llama, extra="model.bogus")
     inner = peer.fetch
 
-    def fetch(plan, destinations, landed=None):  # type: ignore[no-untyped-def]
+    def fetch(plan, destinations, landed=None, offsets=None):  # type: ignore[no-untyped-def]
         try:
-            yield from inner(plan, destinations, landed)
+            yield from inner(plan, destinations, landed, offsets)
         finally:
             closed.append(True)
 
@@ -436,20 +476,28 @@ def test_pieces_ramp_up_then_cover_every_byte_once_in_order() -> None:
     assert [b - a for ((_, a, b),) in pieces([1000], limit=64)][:7] == [4, 8, 16, 32, 64, 64, 64]
     # Small tensors: the first packed pieces are small too, later ones fill the limit.
     assert [len(p) for p in pieces([1] * 64, limit=16)] == [1, 2, 4, 8, 16, 16, 16, 1]
+    # A tensor cut short is sent from where its bytes stopped, as a tensor of what is left.
+    assert pieces([1000, 10], limit=64, ramp=0, starts=[990, 4]) == [((0, 990, 1000), (1, 4, 10))]
     rng = random.Random(31)
-    for _ in range(200):
+    for round_ in range(400):
         sizes = [rng.choice([0, 1, 3, 40, 64, 65, 200]) for _ in range(rng.randrange(1, 30))]
-        out = pieces(sizes, limit=64)
+        starts = [rng.choice([0, 0, rng.randint(0, n)]) for n in sizes] if round_ % 2 else None
+        begin = starts or [0] * len(sizes)
+        out = pieces(sizes, limit=64, starts=starts)
         ranges = [r for piece in out for r in piece]
-        # Every byte of every tensor exactly once, in order (empty tensors in no piece).
+        # Every byte of every tensor from its start exactly once, in order (a tensor with
+        # nothing to send in no piece).
         for k, size in enumerate(sizes):
             mine = [(a, b) for j, a, b in ranges if j == k]
-            assert [a for a, _ in mine] == [0, *[b for _, b in mine][:-1]] if size else not mine
-            assert not size or mine[-1][1] == size
+            if begin[k] == size:
+                assert not mine
+                continue
+            assert [a for a, _ in mine] == [begin[k], *[b for _, b in mine][:-1]]
+            assert mine[-1][1] == size
         assert [j for j, _, _ in ranges] == sorted(j for j, _, _ in ranges)
         for i, piece in enumerate(out):
             cap = 64 >> max(RAMP_PIECES - i, 0)
-            # No piece is over its cap; several tensors in one are each whole (a tensor
-            # that does not fit goes alone, in ranges).
+            # No piece is over its cap; several tensors in one are each whole from their
+            # start (a tensor that does not fit goes alone, in ranges).
             assert sum(b - a for _, a, b in piece) <= cap
-            assert len(piece) == 1 or all(a == 0 and b == sizes[j] for j, a, b in piece)
+            assert len(piece) == 1 or all(a == begin[j] and b == sizes[j] for j, a, b in piece)

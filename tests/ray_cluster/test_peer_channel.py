@@ -52,6 +52,33 @@ def test_receiver_gets_every_tensor_byte_for_byte_in_buckets() -> None:
     assert server.started == 1
 
 
+def test_a_tensor_cut_short_is_sent_from_where_its_bytes_stopped_and_nothing_before() -> None:
+    held = _held()
+    server = ShardServer(bucket_bytes=64 << 10)
+    server.loaded(held)
+    sizes = _sizes(held)
+    # What another holder did not give: the end of "embed" (sent alone, in ranges), the
+    # end of "ids" (packed with "lm_head"), all of "lm_head".
+    offsets = {"embed": 100_001, "ids": 7}
+    want = {name: sizes[name] for name in ("embed", "ids", "lm_head")}
+    channel = server.open(HOST, 0.0, want, part=True, offsets=offsets)
+    assert channel.starts == (100_001, 7, 0)
+    assert channel.sent == sum(want.values()) - sum(offsets.values())
+    into = {name: torch.full((n,), 0xAB, dtype=torch.uint8) for name, n in want.items()}
+    ranges: list[tuple[str, int, int]] = []
+    arrived = list(receive(channel, HOST, into, lambda n, a, k: ranges.append((n, a, k))))
+    assert arrived == ["embed", "ids", "lm_head"]
+    for name in want:
+        at = offsets.get(name, 0)
+        data = into[name].numpy().tobytes()
+        assert data[:at] == b"\xab" * at, f"{name}: nothing written before its offset"
+        assert data[at:] == _bytes(held[name])[at:], name
+        mine = [(a, k) for n, a, k in ranges if n == name]
+        assert mine[0][0] == at and sum(k for _, k in mine) == sizes[name] - at, name
+    with pytest.raises(ValueError, match="offset 99999 of tensor 'ids' is outside its 1200"):
+        server.open(HOST, 0.0, want, part=True, offsets={"ids": 99_999})
+
+
 def test_holder_refuses_a_receiver_whose_plan_differs() -> None:
     held = _held()
     server = ShardServer()

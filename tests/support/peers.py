@@ -22,8 +22,10 @@ class TensorPeer:
     ``fail_after`` raises :class:`PeerUnavailable` (or ``error`` when given) after that
     many shards; ``short`` names a tensor the holder has one byte short of; ``omit`` one
     it leaves out while sending; ``extra`` a name it sends that the plan does not hold.
-    ``others`` are its alternates; ``part``: it is one, asked for some of its shards
-    only. ``served`` counts shards sent.
+    ``cut_at``: before it fails, it writes that many first bytes of the next shard (and
+    says so to ``landed``), a tensor cut short. ``others`` are its alternates; ``part``:
+    it is one, asked for some of its shards only. ``served`` counts shards sent,
+    ``asked`` the offsets it was last asked to resume tensors at.
     """
 
     tensors: Mapping[str, torch.Tensor]
@@ -37,7 +39,9 @@ class TensorPeer:
     extra: str | None = None
     others: Sequence[TensorPeer] = ()
     part: bool = False
+    cut_at: int | None = None
     served: int = field(default=0, init=False)
+    asked: dict[str, int] = field(default_factory=dict, init=False)
     via: str = field(default="", init=False)
 
     def describe(self) -> str:
@@ -47,7 +51,11 @@ class TensorPeer:
         return self.others
 
     def fetch(
-        self, plan: RankPlan, destinations: Sequence[torch.Tensor], landed: Landed | None = None
+        self,
+        plan: RankPlan,
+        destinations: Sequence[torch.Tensor],
+        landed: Landed | None = None,
+        offsets: Mapping[str, int] | None = None,
     ) -> Iterator[str]:
         sizes = {name: t.numel() * t.element_size() for name, t in self.tensors.items()}
         if self.short is not None:
@@ -55,14 +63,20 @@ class TensorPeer:
         want = {shard.name: shard.nbytes for shard in plan.shards}
         check_sizes(want, sizes, part=self.part)
         self.via = "memory"
+        self.asked = dict(offsets or {})
         for shard, destination in zip(plan.shards, destinations, strict=True):
+            source = self.tensors[shard.name].contiguous().view(torch.uint8).reshape(-1)
             if self.fail_after is not None and self.served >= self.fail_after:
+                if self.cut_at is not None and landed is not None:
+                    destination[: self.cut_at] = source[: self.cut_at]
+                    landed(shard.name, 0, self.cut_at)
                 raise self.error or PeerUnavailable(
                     f"the holder's actor died after {self.served} shards"
                 )
             if shard.name == self.omit:
                 continue
-            destination.copy_(self.tensors[shard.name].contiguous().view(torch.uint8).reshape(-1))
+            start = self.asked.get(shard.name, 0)
+            destination[start:] = source[start:]
             self.served += 1
             yield shard.name
         if self.extra is not None:

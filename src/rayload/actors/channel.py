@@ -52,18 +52,29 @@ HOLDER, RECEIVER = 0, 1
 class PeerChannel:
     """What a holder hands a receiver: the rendezvous store of their two-rank group
     (``host``:``port``), the tensors it will send, in that order, with their byte counts
-    (``sizes[i]`` is ``names[i]``'s), and the bucket size both sides pack them by
-    (:func:`buckets`)."""
+    (``sizes[i]`` is ``names[i]``'s), the bucket size both sides pack them by
+    (:func:`buckets`), and where each tensor's sending begins (``starts``, none: at 0; a
+    tensor cut short by another holder is sent from where its bytes stopped)."""
 
     host: str
     port: int
     names: tuple[str, ...]
     sizes: tuple[int, ...]
     bucket_bytes: int
+    starts: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> dict[str, int]:
         return dict(zip(self.names, self.sizes, strict=True))
+
+    @property
+    def sent(self) -> int:
+        """How many bytes the channel carries."""
+        return sum(self.sizes) - sum(self.starts)
+
+    def pieces(self) -> list[Piece]:
+        """The channel's broadcasts (:func:`pieces`), as both sides cut them."""
+        return pieces(self.sizes, self.bucket_bytes, starts=self.starts or None)
 
 
 def gloo_group(store: Any, rank: int, host: str, timeout_s: float) -> Any:
@@ -100,14 +111,20 @@ def receive(
     offset, length)`` of each range once its bytes are in place and yielding a tensor's
     name once all of them are (an empty tensor's at once: nothing is sent for it). No
     piece for ``stall_s`` seconds is :class:`~rayload.loading.peer.PeerUnavailable`
-    saying that the holder stalled."""
+    saying that the holder stalled. A tensor the channel starts past its first byte
+    (:attr:`PeerChannel.starts`) is received from there: the bytes before are in place."""
     import torch.distributed as dist
 
     store = dist.TCPStore(channel.host, channel.port, 2, False, timedelta(seconds=JOIN_TIMEOUT_S))
     group = gloo_group(store, RECEIVER, host, stall_s)
-    yield from (name for name, size in zip(channel.names, channel.sizes, strict=True) if not size)
-    received = 0
-    for piece in pieces(channel.sizes, channel.bucket_bytes):
+    starts = channel.starts or (0,) * len(channel.sizes)
+    yield from (
+        name
+        for name, size, start in zip(channel.names, channel.sizes, starts, strict=True)
+        if start == size  # nothing to send for it
+    )
+    received, total = 0, channel.sent
+    for piece in channel.pieces():
         lengths = [b - a for _, a, b in piece]
         waited = time.monotonic()
         try:
@@ -117,10 +134,9 @@ def receive(
             else:
                 packed = torch.empty(sum(lengths), dtype=torch.uint8)
                 broadcast(group, packed)
-                for (k, _, _), part in zip(piece, packed.split(lengths), strict=True):
-                    into[channel.names[k]].copy_(part)
+                for (k, start, stop), part in zip(piece, packed.split(lengths), strict=True):
+                    into[channel.names[k]][start:stop].copy_(part)
         except Exception as exc:
-            total = sum(channel.sizes)
             if time.monotonic() - waited < stall_s * 0.9:
                 raise PeerUnavailable(
                     f"the channel broke after {received} of {total} bytes: {_gloo_error(exc)}"
@@ -160,14 +176,19 @@ soon after they land, instead of once a whole piece's worth has."""
 
 
 def pieces(
-    sizes: Sequence[int], limit: int = BUCKET_BYTES, *, ramp: int = RAMP_PIECES
+    sizes: Sequence[int],
+    limit: int = BUCKET_BYTES,
+    *,
+    ramp: int = RAMP_PIECES,
+    starts: Sequence[int] | None = None,
 ) -> list[Piece]:
     """The broadcasts of a channel, in order: at most ``limit`` bytes each (less for the
     first ``ramp``, :data:`RAMP_PIECES`), consecutive small tensors packed whole, and a
     tensor that does not fit a piece of its own sent alone, in ranges of the piece size (so
     a receiver can forward the first range of a large tensor before the rest has come);
-    empty tensors are in none (nothing to send). The holder and the receiver compute the
-    same."""
+    empty tensors are in none (nothing to send). ``starts[k]``: tensor ``k`` is sent from
+    that byte on (the rest of a tensor cut short), counted as a tensor of what is left.
+    The holder and the receiver compute the same."""
     out: list[Piece] = []
     run: list[tuple[int, int, int]] = []
     total = 0
@@ -175,17 +196,18 @@ def pieces(
     def cap() -> int:
         return max(limit >> max(ramp - len(out), 0), 1)
 
-    for k, size in enumerate(sizes):
-        if size == 0:
+    for k, (begin, size) in enumerate(zip(starts or [0] * len(sizes), sizes, strict=True)):
+        left = size - begin
+        if left <= 0:
             continue
-        if run and total + size > cap():
+        if run and total + left > cap():
             out.append(tuple(run))
             run, total = [], 0
-        if size < cap():
-            run.append((k, 0, size))
-            total += size
+        if left < cap():
+            run.append((k, begin, size))
+            total += left
             continue
-        start = 0
+        start = begin
         while start < size:
             stop = min(start + cap(), size)
             out.append(((k, start, stop),))

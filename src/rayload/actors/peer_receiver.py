@@ -83,7 +83,10 @@ class RayPeerSource:
         plan: RankPlan,
         destinations: Sequence[torch.Tensor],
         landed: Landed | None = None,
+        offsets: Mapping[str, int] | None = None,
     ) -> Iterator[str]:
+        """The plan's shards, from the holder's shared copy (each tensor whole) or over a
+        channel (a tensor cut short, ``offsets``, from where its bytes stopped)."""
         want = {shard.name: shard.nbytes for shard in plan.shards}
         into = {shard.name: d for shard, d in zip(plan.shards, destinations, strict=True)}
         answer_by = time.monotonic() + self._wait_s + self._slack
@@ -98,16 +101,18 @@ class RayPeerSource:
             return
         self.via = "gloo"
         stall_s = self._stall_s * self.ref.depth
-        channel = self._channel(want, answer_by - self._slack)
+        channel = self._channel(want, dict(offsets or {}), answer_by - self._slack)
         yield from receive(channel, self._host, into, landed, stall_s=stall_s)
 
-    def _channel(self, want: Mapping[str, int], wait_until: float) -> PeerChannel:
-        """A channel from the holder, which may wait for its load until ``wait_until``
-        (``time.monotonic()``); its answer waited for a stall longer at most (an
-        alternate: not at all)."""
+    def _channel(
+        self, want: Mapping[str, int], offsets: dict[str, int], wait_until: float
+    ) -> PeerChannel:
+        """A channel from the holder (for ``want``, those of ``offsets`` from there on),
+        which may wait for its load until ``wait_until`` (``time.monotonic()``); its
+        answer waited for a stall longer at most (an alternate: not at all)."""
         wait_s = max(wait_until - time.monotonic(), 0.0)
         actor = self.ref.actor
-        ref = actor.open_channel.remote(wait_s, want, self.ref.stream, self._part)
+        ref = actor.open_channel.remote(wait_s, want, self.ref.stream, self._part, offsets)
         timeout_s = max(wait_s + self._slack, 1.0)
         if self.ref.stream:  # answered once its load knows its tensors: keep checking it lives
             _answered_or_alive(ref, actor, timeout_s, self._stall_s)

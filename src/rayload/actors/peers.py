@@ -250,14 +250,17 @@ class ShardServer:
         *,
         stream: bool = False,
         part: bool = False,
+        offsets: Mapping[str, int] | None = None,
     ) -> PeerChannel:
         """A channel to this rank's shards for a receiver whose plan has the tensors of
         ``want`` (name -> bytes), its store on ``host``: once this rank's load has
         finished, or (``stream``) once it knows its tensors, each piece then sent as it
         lands (at most ``wait_s`` seconds of waiting either way); the sending starts when
         the receiver joins. ``part``: ``want`` is what a receiver still lacks, some of this
-        rank's shards, and only those are sent. Raises PeerUnavailable when the load
-        failed or is still running, or when this rank holds other shards than ``want``."""
+        rank's shards, and only those are sent; ``offsets``: of those, the ones cut short
+        (name -> the bytes already there), each sent from there on. Raises
+        PeerUnavailable when the load failed or is still running, or when this rank holds
+        other shards than ``want``."""
         import torch.distributed as dist
 
         deadline = time.monotonic() + max(wait_s, 0.0)
@@ -272,6 +275,7 @@ class ShardServer:
             arrivals, generation = self._arrivals, self._generation
         check_sizes(want, arrivals.nbytes, part=part)
         indices = tuple(i for i, name in enumerate(arrivals.names) if name in want)
+        starts = _starts([arrivals.names[i] for i in indices], want, offsets or {})
         patience_s = max(wait_s, TRANSFER_TIMEOUT_S)
         store = dist.TCPStore(
             host, 0, 2, True, timedelta(seconds=JOIN_TIMEOUT_S), wait_for_workers=False
@@ -282,10 +286,11 @@ class ShardServer:
             tuple(arrivals.names[i] for i in indices),
             tuple(arrivals.sizes[i] for i in indices),
             self._bucket_bytes,
+            starts,
         )
         sender = threading.Thread(
             target=self._send,
-            args=(store, host, arrivals, indices, generation, patience_s),
+            args=(store, host, arrivals, channel, indices, generation, patience_s),
             name=f"rayload-peer-send-{channel.port}",
             daemon=True,
         )
@@ -299,12 +304,13 @@ class ShardServer:
         store: Any,
         host: str,
         arrivals: Arrivals,
+        channel: PeerChannel,
         indices: Sequence[int],
         generation: int,
         patience_s: float,
     ) -> None:
-        """The sender thread: join the group, broadcast every piece of the tensors
-        ``indices`` (of ``arrivals``, the channel's) once its bytes have landed (waiting up
+        """The sender thread: join the group, broadcast every piece of ``channel`` (its
+        tensors are ``indices`` of ``arrivals``) once its bytes have landed (waiting up
         to ``patience_s`` for each while none land: as long as the receiver would), leave.
         A receiver that never joins or goes away, this rank's load failing or stalling, or
         a reload (:meth:`loading`), ends it with a log line; ending it drops the group,
@@ -313,8 +319,7 @@ class ShardServer:
         link_free = 0.0
         try:
             group = gloo_group(store, HOLDER, host, TRANSFER_TIMEOUT_S)
-            sizes = [arrivals.sizes[k] for k in indices]
-            for i, piece in enumerate(pieces(sizes, self._bucket_bytes)):
+            for i, piece in enumerate(channel.pieces()):
                 for k, _, stop in piece:
                     arrivals.wait(indices[k], stop, patience_s)
                 if self._generation != generation:
@@ -334,6 +339,21 @@ class ShardServer:
             # Dropping the group closes its connection: a receiver still waiting fails at
             # once (abort() and shutdown() leave a gloo pair open).
             del group
+
+
+def _starts(
+    names: Sequence[str], want: Mapping[str, int], offsets: Mapping[str, int]
+) -> tuple[int, ...]:
+    """Where the sending of each of ``names`` begins: its ``offsets`` entry (the bytes the
+    receiver has), which must be within the tensor; () when every one begins at 0."""
+    if unknown := sorted(offsets.keys() - want.keys()):
+        raise ValueError(f"an offset for tensor {unknown[0]!r}, which is not asked for")
+    starts = tuple(offsets.get(name, 0) for name in names)
+    if bad := [n for n, a in zip(names, starts, strict=True) if not 0 <= a <= want[n]]:
+        raise ValueError(
+            f"offset {offsets[bad[0]]} of tensor {bad[0]!r} is outside its {want[bad[0]]} bytes"
+        )
+    return starts if any(starts) else ()
 
 
 def _paced(link_free: float, nbytes: int, mbps: float) -> float:

@@ -301,15 +301,20 @@ class RankActor:
 
     @ray.method(concurrency_group=PEER_GROUP)
     def open_channel(
-        self, wait_s: float, want: dict[str, int], stream: bool = False, part: bool = False
+        self,
+        wait_s: float,
+        want: dict[str, int],
+        stream: bool = False,
+        part: bool = False,
+        offsets: dict[str, int] | None = None,
     ) -> PeerChannel:
         """A channel that sends this rank's shards to the same rank of another replica,
         whose plan wants ``want`` (name -> bytes; ``part``: what it still lacks, some of
-        them). Waits at most ``wait_s`` for a load still running (``stream``: only until it
-        knows its tensors, then sends each piece as it lands); raises PeerUnavailable when
-        it failed or the shards differ."""
+        them; ``offsets``: where the ones cut short resume). Waits at most ``wait_s`` for a
+        load still running (``stream``: only until it knows its tensors, then sends each
+        piece as it lands); raises PeerUnavailable when it failed or the shards differ."""
         host = ray.util.get_node_ip_address()
-        return self._shards.open(host, wait_s, want, stream=stream, part=part)
+        return self._shards.open(host, wait_s, want, stream=stream, part=part, offsets=offsets)
 
     @ray.method(concurrency_group=PEER_GROUP)
     def shared_copy(self, want: dict[str, int], part: bool = False) -> SharedCopy | None:

@@ -18,7 +18,7 @@ replica, so the new one reads nothing from storage. This module is the Ray-free 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -64,13 +64,19 @@ class PeerSource(Protocol):
         ...
 
     def fetch(
-        self, plan: RankPlan, destinations: Sequence[torch.Tensor], landed: Landed | None = None
+        self,
+        plan: RankPlan,
+        destinations: Sequence[torch.Tensor],
+        landed: Landed | None = None,
+        offsets: Mapping[str, int] | None = None,
     ) -> Iterator[str]:
         """Write every shard of ``plan`` into its destination (``destinations[i]`` is shard
         ``i``'s memory: a 1-D uint8 CPU tensor of exactly its byte count, to be filled with
         its bytes in row-major order), yielding each tensor's name once its bytes are in
         place, in any order; a source that receives a tensor in parts may tell ``landed``
         of each part as it comes (a tensor's name, yielded, counts as all of it).
+        ``offsets``: tensors whose first bytes are in place already (name -> how many:
+        another holder's, cut short); a source should write only the bytes after them.
 
         Must raise :class:`PeerUnavailable` before writing anything when the peer's shards
         differ from the plan's in name or byte count (:func:`check_sizes`); may raise it (or
@@ -122,11 +128,13 @@ def receive_shards(
     peer: PeerSource,
     destinations: Sequence[torch.Tensor],
     landed: Landed | None = None,
+    offsets: Mapping[str, int] | None = None,
 ) -> int:
     """Have ``peer`` fill ``destinations`` (shard ``i``'s memory as a 1-D uint8 CPU tensor
     of ``plan.shards[i].nbytes`` bytes) with every shard of ``plan``; return the bytes
     received. ``landed`` is told of each range as it is in place (each tensor whole at
-    the latest when the source yields its name).
+    the latest when the source yields its name). ``offsets``: the tensors whose first
+    bytes are in place already (:meth:`PeerSource.fetch`).
 
     Raises :class:`PeerUnavailable` saying what went wrong (it reads after "the peer
     failed: ") when the source raises anything or ends before every planned tensor
@@ -136,7 +144,7 @@ def receive_shards(
     """
     index = {shard.name: i for i, shard in enumerate(plan.shards)}
     arrived: set[str] = set()
-    items = _guarded(peer, plan, destinations, landed)
+    items = _guarded(lambda: peer.fetch(plan, destinations, landed, offsets))
     try:
         for name in items:
             if name not in index:
@@ -156,20 +164,15 @@ def receive_shards(
             f"it ended without sending {len(missing)} of the {len(index)} tensors "
             f"(e.g. {min(missing)!r})"
         )
-    return plan.nbytes
+    return plan.nbytes - sum((offsets or {}).values())
 
 
-def _guarded(
-    peer: PeerSource,
-    plan: RankPlan,
-    destinations: Sequence[torch.Tensor],
-    landed: Landed | None,
-) -> Generator[str, None, None]:
-    """``peer.fetch(plan, destinations)`` with any exception it raises (when called or
-    while iterating) turned into :class:`PeerUnavailable`; closing it closes the peer's
-    iterator."""
+def _guarded(fetch: Callable[[], Iterable[str]]) -> Generator[str, None, None]:
+    """The names ``fetch()`` (a source's :meth:`~PeerSource.fetch`) yields, with any
+    exception it raises (when called or while iterating) turned into
+    :class:`PeerUnavailable`; closing it closes the source's iterator."""
     try:
-        iterator = iter(peer.fetch(plan, destinations, landed))
+        iterator = iter(fetch())
     except Exception as exc:
         raise PeerUnavailable(_cause(exc)) from exc
     try:

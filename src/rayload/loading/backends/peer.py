@@ -3,21 +3,22 @@
 ``rank.read`` allocates each shard's host tensor and copies the peer's bytes in
 (:func:`~rayload.loading.peer.receive_shards`: every planned tensor exactly once, each
 with exactly its shard's byte count); ``rank.to_device`` moves them to the device. When
-the peer fails part way (it died, stalled, or stopped sending), the tensors that had
-wholly arrived are kept and the others are asked of the peer's alternates in turn (other
-holders, nearest first: :meth:`~rayload.loading.peer.PeerSource.alternates`); when
-those give everything, the method is still ``peer`` and ``peer_switch`` names the
-switch. What none gave is read from storage with the ``storage`` method into the same
-memory, marked as it lands, so this rank's own receivers go on (the load does not start
-over); when nothing had landed, or a peer sent what the plan does not hold, the rank
-reads all of it from storage. Either is reported as a fallback: ``effective`` is the
-storage method, whose phases say ``rayload.source=storage``, and the reason says who
-failed and how many tensors came from where. Nothing half-loaded is returned.
+the peer fails part way (it died, stalled, or stopped sending), the bytes that had
+arrived are kept and the others are asked of the peer's alternates in turn (other
+holders, nearest first: :meth:`~rayload.loading.peer.PeerSource.alternates`; a tensor cut
+short from the byte where it stopped); when those give everything, the method is still
+``peer`` and ``peer_switch`` names the switch. What none gave is read from storage (a cut
+tensor whole) with the ``storage`` method into the same memory, marked as it lands, so
+this rank's own receivers go on (the load does not start over); when nothing had landed,
+or a peer sent what the plan does not hold, the rank reads all of it from storage. Either
+is reported as a fallback: ``effective`` is the storage method, whose phases say
+``rayload.source=storage``, and the reason says who failed and how many tensors came from
+where. Nothing half-loaded is returned.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -60,7 +61,7 @@ class PeerBackend(Backend):
             if log.failures:
                 attrs["peer.error"] = log.failures[0][1]
             if not arrivals.missing():
-                attrs["bytes_from_peers"] = log.nbytes
+                attrs["bytes_from_peers"] = log.nbytes()
             if peer.via:
                 attrs["peer.via"] = peer.via
             if log.switched:
@@ -86,9 +87,12 @@ class PeerBackend(Backend):
         hosts: list[torch.Tensor],
         log: _Received,
         *,
+        rest: RankPlan | None = None,
         bytes_read: int = 0,
         fallback_reason: str | None = None,
     ) -> BackendResult:
+        """Move ``hosts`` to ``device``: the result, ``rest`` its tensors read from storage
+        (``bytes_read``) after the peers failed (``fallback_reason``)."""
         with timer.phase(TO_DEVICE, device=str(device)):
             tensors = {s.name: h.to(device) for s, h in zip(plan.shards, hosts, strict=True)}
             synchronize(device)
@@ -99,7 +103,7 @@ class PeerBackend(Backend):
             bytes_read,
             effective,
             fallback_reason=fallback_reason,
-            bytes_from_peers=log.nbytes,
+            bytes_from_peers=log.nbytes(rest),
             source=source_label(log.largest()),
             peer_switch=log.account() if log.switched else None,
         )
@@ -129,6 +133,7 @@ class PeerBackend(Backend):
             timer,
             hosts,
             log,
+            rest=rest,
             bytes_read=result.bytes_read,
             fallback_reason=_joined(log.account(rest), result),
         )
@@ -164,38 +169,44 @@ class PeerBackend(Backend):
 
 @dataclass
 class _Received:
-    """What a rank's peers gave (``given``: each source that gave whole tensors, with how
-    many and their bytes, in order) and how they failed (``failures``: each source that
-    failed, and why; ``mismatch``: one sent what the plan does not hold), with each
-    source's :class:`_Pieces`."""
+    """What a rank's peers gave and how they failed: ``given``, each source asked, in
+    order, with how many tensors it completed and its :class:`_Pieces` (which bytes it
+    landed); ``failures``, each source that failed, and why; ``mismatch``, one sent what
+    the plan does not hold."""
 
     plan: RankPlan
     first: PeerSource
-    given: list[tuple[PeerSource, int, int]] = field(default_factory=list)
+    given: list[tuple[PeerSource, int, _Pieces]] = field(default_factory=list)
     failures: list[tuple[PeerSource, str]] = field(default_factory=list)
     mismatch: bool = False
-    pieces: list[tuple[_Pieces, PeerSource]] = field(default_factory=list)
 
     @property
-    def nbytes(self) -> int:
-        return sum(nbytes for _, _, nbytes in self.given)
+    def pieces(self) -> list[tuple[_Pieces, PeerSource]]:
+        return [(pieces, source) for source, _, pieces in self.given]
+
+    def nbytes(self, rest: RankPlan | None = None) -> int:
+        """Bytes the peers gave that are kept (not those of ``rest``'s tensors, read again
+        from storage)."""
+        return sum(pieces.kept(rest) for _, _, pieces in self.given)
 
     @property
     def landed(self) -> int:
         """Bytes that landed from the sources, whole tensors or not (what this rank's own
         receivers may have had already)."""
-        return sum(pieces.nbytes for pieces, _ in self.pieces)
+        return sum(pieces.nbytes for _, _, pieces in self.given)
 
     @property
     def switched(self) -> bool:
         """Whether an alternate gave some of the tensors (the first source failed)."""
-        return bool(self.failures) and any(s is not self.failures[0][0] for s, _, _ in self.given)
+        return bool(self.failures) and any(
+            n and s is not self.failures[0][0] for s, n, _ in self.given
+        )
 
     def largest(self) -> PeerSource:
         """The source that gave the most bytes (the first asked, when none gave any)."""
-        if not self.given:
+        if not self.landed:
             return self.first
-        return max(self.given, key=lambda g: g[2])[0]
+        return max(self.given, key=lambda g: g[2].nbytes)[0]
 
     def failed(self) -> str:
         """``<first source> failed mid-transfer: <why>``, then each alternate that failed
@@ -207,17 +218,18 @@ class _Received:
         )
 
     def account(self, rest: RankPlan | None = None) -> str:
-        """How the failures went and how many tensors came from where: kept from the
-        first source, then from each alternate, then ``rest`` read from storage."""
-        first = self.failures[0][0]
-        kept = next(((n, b) for source, n, b in self.given if source is first), (0, 0))
+        """How the failures went and how many tensors (and bytes) came from where: kept
+        from the first source, then from each alternate (a cut tensor it resumed named,
+        with the byte it resumed at), then ``rest`` read from storage."""
+        (_, n, pieces), *others = self.given
         parts = [
-            f"{kept[0]} of {len(self.plan.shards)} tensors ({kept[1]} bytes) had arrived and "
-            "were kept",
+            f"{n} of {len(self.plan.shards)} tensors ({pieces.kept(rest)} bytes) had arrived "
+            "and were kept",
             *(
-                f"{n} ({b} bytes) came from {s.describe()}"
-                for s, n, b in self.given
-                if s is not first
+                f"{n} ({pieces.kept(rest)} bytes{pieces.resumed_said()}) came from "
+                f"{source.describe()}"
+                for source, n, pieces in others
+                if n
             ),
         ]
         if rest is not None:
@@ -236,28 +248,28 @@ def _receive(
     timer: PhaseTimer,
 ) -> _Received:
     """Have ``peer`` fill ``views`` (each shard's memory) with ``plan``'s shards, then, when
-    it fails part way, each of its alternates in turn with what is still missing; every
-    range is marked in ``arrivals`` as it lands (this rank's own receivers follow them)
-    and in each source's :class:`_Pieces` (a :data:`PIECES` span naming it)."""
+    it fails part way, each of its alternates in turn with what is still missing (a
+    tensor cut short from where its bytes stopped); every range is marked in
+    ``arrivals`` as it lands (this rank's own receivers follow them) and in each source's
+    :class:`_Pieces` (a :data:`PIECES` span naming it)."""
     log = _Received(plan, peer)
-    view = {shard.name: v for shard, v in zip(plan.shards, views, strict=True)}
+    index = {shard.name: i for i, shard in enumerate(plan.shards)}
     for source in [peer, *peer.alternates()]:
         part, part_views = _missing_part(plan, arrivals, views)
         missing = {shard.name for shard in part.shards}
-        pieces = _Pieces(arrivals, timer.clock)
+        offsets = {n: a for n in missing if (a := arrivals.arrived(index[n]))}
+        pieces = _Pieces(arrivals, timer.clock, offsets)
 
         def landed(name: str, offset: int, length: int, pieces: _Pieces = pieces) -> None:
             pieces.landed(name, offset, length)
             prefault.advance(length)
 
         try:
-            receive_shards(part, source, part_views, landed)
+            receive_shards(part, source, part_views, landed, offsets)
         except PeerUnavailable as exc:
             log.failures.append((source, str(exc)))
             log.mismatch = isinstance(exc, PeerMismatch)
-        log.pieces.append((pieces, source))
-        if gave := missing - set(arrivals.missing()):
-            log.given.append((source, len(gave), sum(view[n].numel() for n in gave)))
+        log.given.append((source, len(missing - set(arrivals.missing())), pieces))
         if not log.failures or log.mismatch or not arrivals.missing():
             break
     return log
@@ -304,18 +316,42 @@ _MAX_PIECE_TIMES = 4096
 
 
 class _Pieces:
-    """Records each piece as it lands (``landed``, given to the receiver) into
-    ``arrivals``, then :meth:`record` s the :data:`PIECES` span."""
+    """Records each piece from one source as it lands (``landed``, given to the receiver)
+    into ``arrivals`` and by tensor (``resumed``: the tensors it was asked to send from a
+    byte on, cut short before), then :meth:`record` s the :data:`PIECES` span."""
 
-    def __init__(self, arrivals: Arrivals, clock: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        arrivals: Arrivals,
+        clock: Callable[[], int],
+        resumed: Mapping[str, int] | None = None,
+    ) -> None:
         self._arrivals, self._clock = arrivals, clock
+        self.resumed = dict(resumed or {})
         self.times: list[int] = []
-        self.nbytes = 0
+        self.by_name: dict[str, int] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.by_name.values())
 
     def landed(self, name: str, offset: int, length: int) -> None:
         if new := self._arrivals.landed_name(name, offset, length):
             self.times.append(self._clock())
-            self.nbytes += new
+            self.by_name[name] = self.by_name.get(name, 0) + new
+
+    def kept(self, rest: RankPlan | None = None) -> int:
+        """The bytes it landed, less those of ``rest``'s tensors (read again whole)."""
+        again = {s.name for s in rest.shards} if rest is not None else set()
+        return sum(n for name, n in self.by_name.items() if name not in again)
+
+    def resumed_said(self) -> str:
+        """``, 'name' from byte B on`` for each tensor it resumed and landed bytes of."""
+        return "".join(
+            f", {name!r} from byte {at} on"
+            for name, at in self.resumed.items()
+            if name in self.by_name
+        )
 
     def record(self, timer: PhaseTimer, source: str) -> None:
         if not self.times:
