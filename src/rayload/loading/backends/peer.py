@@ -70,7 +70,7 @@ class PeerBackend(Backend):
             pieces.record(timer, source_label(source))
         if not log.failures:
             return self._to_device(plan, device, timer, hosts, log)
-        if log.mismatch or (not log.landed and self.publish is None):
+        if log.mismatch or (not log.nbytes() and self.publish is None):
             # Nothing to keep, and no receiver of this rank's to keep going: storage reads
             # it all, its own way (straight to the device where it can).
             del hosts, views
@@ -185,15 +185,10 @@ class _Received:
         return [(pieces, source) for source, _, pieces in self.given]
 
     def nbytes(self, rest: RankPlan | None = None) -> int:
-        """Bytes the peers gave that are kept (not those of ``rest``'s tensors, read again
-        from storage)."""
-        return sum(pieces.kept(rest) for _, _, pieces in self.given)
-
-    @property
-    def landed(self) -> int:
         """Bytes that landed from the sources, whole tensors or not (what this rank's own
-        receivers may have had already)."""
-        return sum(pieces.nbytes for _, _, pieces in self.given)
+        receivers may have had already), less those of ``rest``'s tensors (read again
+        whole from storage)."""
+        return sum(pieces.kept(rest) for _, _, pieces in self.given)
 
     @property
     def switched(self) -> bool:
@@ -204,7 +199,7 @@ class _Received:
 
     def largest(self) -> PeerSource:
         """The source that gave the most bytes (the first asked, when none gave any)."""
-        if not self.landed:
+        if not self.nbytes():
             return self.first
         return max(self.given, key=lambda g: g[2].nbytes)[0]
 
