@@ -19,7 +19,10 @@ Cases, for each replica count ``n`` (TP=1, ``n`` replicas in one ``rayload.load`
 * ``no-peers``: ``method="scratch"``, every replica reads the store;
 * ``no-prefault`` (only with ``--cases``): ``pipelined`` with no rank faulting in memory
   ahead of its writes (the ``prefault`` test hook: the receivers' prefault and the
-  storage reader's alike).
+  storage reader's alike);
+* ``packed`` (only with ``--cases``): ``pipelined`` with each piece of several tensors
+  packed into a buffer of its own on both sides of a channel (the ``peer_pack`` test
+  hook), as before such runs crossed from and into the tensors' own memory.
 
 Interleaved: each round runs every (count, case) once, the cases alternating within a
 count, after ``--warmup`` unrecorded loads (default 1) of the largest count: this VM backs
@@ -52,11 +55,14 @@ CASES = {
     "today": {"peer_fanout": 0},
     "no-peers": {"method": "scratch"},
     "no-prefault": {"peer_fanout": 2},
+    "packed": {"peer_fanout": 2},
 }
 DEFAULT_CASES = ["pipelined", "today", "no-peers"]
-HOOKS = {"no-prefault": {"prefault": False}}
+HOOKS = {"no-prefault": {"prefault": False}, "packed": {"peer_pack": True}}
 """Test hooks a case adds to the link's (``no-prefault``: pipelined, no rank faulting in
-its new memory ahead of the bytes; run it with ``--cases``)."""
+its new memory ahead of the bytes; ``packed``: pipelined, every piece of several tensors
+packed into a buffer of its own and copied out, as before runs of tensors crossed in
+place; run them with ``--cases``)."""
 
 
 def _pieces(trace_dir: Path) -> tuple[list[dict[str, Any]], int | None]:
@@ -233,7 +239,8 @@ def _table(
         "",
         "Rounds (weights s): "
         + "; ".join(f"n={r['n']} {r['case']} {r['weights_s']:.2f}" for r in rows),
-        *_prefault_lines(rows),
+        *_paired_lines(rows, "no-prefault"),
+        *_paired_lines(rows, "packed"),
         *_first_piece_lines(rows, store_mbps),
         "",
         f"Model (fitted): one replica alone {model['alone_s']:.2f} s; the first level's last "
@@ -293,12 +300,12 @@ def _first_piece_lines(rows: list[dict[str, Any]], store_mbps: float) -> list[st
     ]
 
 
-def _prefault_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """``no-prefault`` against ``pipelined``, the two loads of each round and count side by
-    side (their ratio; the median of those), when the run had that case."""
+def _paired_lines(rows: list[dict[str, Any]], case: str) -> list[str]:
+    """``case`` against ``pipelined``, the two loads of each round and count side by side
+    (their ratio; the median of those), when the run had that case."""
     pairs = []
     for r in rows:
-        if r["case"] != "no-prefault":
+        if r["case"] != case:
             continue
         [p] = [
             q for q in rows if (q["n"], q["round"], q["case"]) == (r["n"], r["round"], "pipelined")
@@ -310,8 +317,7 @@ def _prefault_lines(rows: list[dict[str, Any]]) -> list[str]:
     ratio = statistics.median(b / a for _, _, a, b in pairs)
     return [
         "",
-        f"Prefault (pipelined vs no-prefault, same round): {each}; "
-        f"median no-prefault / pipelined {ratio:.3f}x",
+        f"pipelined vs {case}, same round: {each}; median {case} / pipelined {ratio:.3f}x",
     ]
 
 

@@ -10,8 +10,10 @@ import threading
 import pytest
 import torch
 
+from rayload.actors.channel import span
 from rayload.actors.peers import ShardServer, receive
 from rayload.loading.peer import PeerUnavailable
+from rayload.loading.reader.sinks import host_buffers
 
 HOST = "127.0.0.1"
 
@@ -50,6 +52,42 @@ def test_receiver_gets_every_tensor_byte_for_byte_in_buckets() -> None:
     for name, tensor in held.items():
         assert bytes(into[name].numpy().tobytes()) == _bytes(tensor), name
     assert server.started == 1
+
+
+@pytest.mark.parametrize("holder_together", [True, False])
+def test_tensors_laid_out_together_cross_in_place_and_nothing_around_them_is_written(
+    holder_together: bool,
+) -> None:
+    # The holder's tensors in one allocation (a storage load's) or one by one (a finished
+    # load's own tensors); the receiver's in one, as the peer backend allocates them, with
+    # a guard buffer after the last and a tensor cut short (its first bytes must stay).
+    g = torch.Generator().manual_seed(1)
+    first = {"norm": torch.randn(512, generator=g).to(torch.bfloat16)}  # cut short, below
+    first |= {"q_norm": torch.randn(256, generator=g), "k_norm": torch.randn(1024, generator=g)}
+    held = first | {n: t.contiguous() for n, t in _held().items() if n != "norm"}
+    sizes = _sizes(held)
+    if holder_together:
+        memory = host_buffers([*sizes.values()])
+        for buffer, tensor in zip(memory, held.values(), strict=True):
+            buffer.copy_(tensor.reshape(-1).view(torch.uint8))
+        held = dict(zip(held, memory, strict=True))
+    server = ShardServer(bucket_bytes=64 << 10)
+    server.loaded(held)
+    *buffers, guard = host_buffers([*sizes.values(), 4096])
+    for buffer in buffers:
+        buffer.fill_(0xAB)
+    guard.fill_(0xCD)
+    into = dict(zip(sizes, buffers, strict=True))
+    channel = server.open(HOST, 0.0, sizes, part=True, offsets={"norm": 10})
+    runs = [[into[channel.names[k]][a:b] for k, a, b in p] for p in channel.pieces()]
+    assert any(len(r) > 1 and span(r) is not None for r in runs), "a run crosses in place"
+    assert any(span(r) is None for r in runs), "a run with a gap is packed"
+    arrived = list(receive(channel, HOST, into))
+    assert sorted(arrived) == sorted(held)
+    for name, tensor in held.items():
+        data, at = into[name].numpy().tobytes(), 10 if name == "norm" else 0
+        assert data[:at] == b"\xab" * at and data[at:] == _bytes(tensor)[at:], name
+    assert guard.numpy().tobytes() == b"\xcd" * 4096, "nothing written past the last tensor"
 
 
 def test_a_tensor_cut_short_is_sent_from_where_its_bytes_stopped_and_nothing_before() -> None:

@@ -10,6 +10,7 @@ it, is :class:`~rayload.actors.peers.ShardServer`.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -98,6 +99,33 @@ def broadcast(group: Any, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], options).wait()
 
 
+in_place = True
+"""False packs every piece of several tensors into a buffer of its own on both sides (the
+``peer_pack`` test hook: the benchmarks compare both in one run)."""
+
+
+def span(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One 1-D uint8 tensor over the memory of ``views`` (1-D uint8 CPU tensors) when each
+    begins where the one before it ends (buffers of one
+    :func:`~rayload.loading.reader.sinks.host_buffers`), so that a piece of several
+    tensors crosses from and into their own memory, with no packing copy; None when they
+    do not. Every byte of it is one of the views', which must outlive it."""
+    first = views[0]
+    end = first.data_ptr() + first.numel()
+    for view in views[1:]:
+        if view.device.type != "cpu" or not view.is_contiguous() or view.data_ptr() != end:
+            return None
+        end += view.numel()
+    if first.device.type != "cpu" or not first.is_contiguous():
+        return None
+    if len(views) == 1:
+        return first
+    if not in_place:
+        return None
+    memory = (ctypes.c_uint8 * (end - first.data_ptr())).from_address(first.data_ptr())
+    return torch.frombuffer(memory, dtype=torch.uint8)
+
+
 def receive(
     channel: PeerChannel,
     host: str,
@@ -128,14 +156,14 @@ def receive(
         lengths = [b - a for _, a, b in piece]
         waited = time.monotonic()
         try:
-            if len(piece) == 1:
-                [(k, start, stop)] = piece
-                broadcast(group, into[channel.names[k]][start:stop])
+            views = [into[channel.names[k]][start:stop] for k, start, stop in piece]
+            if (whole := span(views)) is not None:
+                broadcast(group, whole)
             else:
                 packed = torch.empty(sum(lengths), dtype=torch.uint8)
                 broadcast(group, packed)
-                for (k, start, stop), part in zip(piece, packed.split(lengths), strict=True):
-                    into[channel.names[k]][start:stop].copy_(part)
+                for view, part in zip(views, packed.split(lengths), strict=True):
+                    view.copy_(part)
         except Exception as exc:
             if time.monotonic() - waited < stall_s * 0.9:
                 raise PeerUnavailable(

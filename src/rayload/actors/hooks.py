@@ -25,9 +25,13 @@ sends to that many MB/s each, as links of that speed between machines would (the
 benchmarks emulate a cluster's network on one host with it: label such figures so);
 ``prefault: false`` stops every rank from faulting in memory ahead of its writes (a
 storage read's destinations and a peer receiver's; :mod:`rayload.loading.reader.pages`),
-for the benchmarks that measure what it buys. ``peer_stall_s`` shortens how long a
-receiving rank waits for its next piece before it takes its holder as stalled
-(:data:`~rayload.actors.channel.STALL_S`), so a test can freeze a holder for seconds.
+for the benchmarks that measure what it buys; ``peer_pack: true`` makes every rank's
+channels pack each piece of several tensors into a buffer of its own (a copy on each
+side), as they did before such runs crossed from and into the tensors' own memory
+(:func:`~rayload.actors.channel.span`), for the benchmark that measures it.
+``peer_stall_s`` shortens how long a receiving rank waits for its next piece before it
+takes its holder as stalled (:data:`~rayload.actors.channel.STALL_S`), so a test can
+freeze a holder for seconds.
 
 Besides the load phases (``rank.resolve`` ... ``rank.post_load``), ``phase`` may be
 ``actor.init``: the fault then fires in the actor's ``__init__`` (a rank that never starts).
@@ -91,6 +95,7 @@ class TestHooks(BaseModel):
     peer_bucket_bytes: int | None = None
     peer_link_mbps: float | None = None
     prefault: bool = True
+    peer_pack: bool = False
     peer_stall_s: float | None = None
 
     @field_validator("probe_overrides")

@@ -44,6 +44,7 @@ from rayload.actors.channel import (
     gloo_group,
     pieces,
     receive,
+    span,
 )
 from rayload.loading.arrivals import Arrivals
 from rayload.loading.peer import PeerUnavailable, check_sizes
@@ -327,7 +328,8 @@ class ShardServer:
                 parts = [_byte_range(arrivals.buffers[indices[k]], a, b) for k, a, b in piece]
                 if self._link_mbps:
                     link_free = _paced(link_free, sum(b - a for _, a, b in piece), self._link_mbps)
-                broadcast(group, parts[0] if len(parts) == 1 else torch.cat(parts))
+                whole = span(parts)
+                broadcast(group, torch.cat(parts) if whole is None else whole)
                 if i == 0:
                     with self._lock:
                         self.started += 1

@@ -38,6 +38,7 @@ from typing import Any
 import ray
 import torch
 
+from rayload.actors import channel
 from rayload.actors.channel import STALL_S
 from rayload.actors.device import LOCAL_CUDA_DEVICE, rank_device
 from rayload.actors.hooks import INIT_PHASE, FaultInjection, FaultyTimer
@@ -103,8 +104,8 @@ class RankActor:
     """Rank ``rank``'s actor.
 
     ``clock_skew_ns``, ``fault``, ``probe_overrides``, ``peer_pause_s``,
-    ``peer_bucket_bytes``, ``peer_link_mbps``, ``prefault`` and ``peer_stall_s`` are TEST
-    HOOKS: the
+    ``peer_bucket_bytes``, ``peer_link_mbps``, ``prefault``, ``peer_stall_s`` and
+    ``peer_pack`` are TEST HOOKS: the
     first shifts every time the actor reports (phases, spans, :meth:`clock`) to model
     another node's clock;
     the second makes this rank fail on purpose; the third changes what this rank's
@@ -113,7 +114,8 @@ class RankActor:
     as a link of that speed; the seventh, False, stops this rank from faulting in its new
     memory ahead of the bytes (:mod:`rayload.loading.reader.pages`); the eighth shortens
     how long this rank, receiving, waits for a piece before it takes its holder as
-    stalled (see :mod:`rayload.actors.hooks`).
+    stalled; the ninth packs each piece of several tensors into a buffer of its own, as
+    before they crossed in place (see :mod:`rayload.actors.hooks`).
 
     Once loaded, the rank is a *holder* for other replicas: :meth:`open_channel`,
     :meth:`shared_copy` and :meth:`peer_ping` run in the actor's ``peer`` concurrency
@@ -133,8 +135,10 @@ class RankActor:
         peer_link_mbps: float | None = None,
         prefault: bool = True,
         peer_stall_s: float | None = None,
+        peer_pack: bool = False,
     ) -> None:
         pages.enabled = prefault
+        channel.in_place = not peer_pack
         self._stall_s = peer_stall_s or STALL_S
         self._skew_ns = clock_skew_ns
         self._shards = ShardServer(

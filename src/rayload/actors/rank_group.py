@@ -126,6 +126,7 @@ class RankActorGroup:
                 peer_link_mbps=self.hooks.peer_link_mbps,
                 prefault=self.hooks.prefault,
                 peer_stall_s=self.hooks.peer_stall_s,
+                peer_pack=self.hooks.peer_pack,
             )
             self.actors.append(actor)
             waiting[actor.ready.remote()] = rank

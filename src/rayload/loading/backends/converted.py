@@ -70,6 +70,7 @@ class ConvertedBackend(ReaderBackend):
                 on_read=checksum,
                 targets=targets,
                 touched=touched,
+                keep=len(shards),
             )
             attrs["bytes_read"] = bytes_read
             for file, entry in entries.items():

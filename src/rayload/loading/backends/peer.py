@@ -1,6 +1,8 @@
 """``peer``: the rank's shards copied from a rank of another replica that holds them.
 
-``rank.read`` allocates each shard's host tensor and copies the peer's bytes in
+``rank.read`` allocates the shards' host tensors (one after the other in one
+allocation, :func:`~rayload.loading.reader.sinks.host_buffers`, so a run of small
+tensors lands from the channel in one piece, with no copy) and copies the peer's bytes in
 (:func:`~rayload.loading.peer.receive_shards`: every planned tensor exactly once, each
 with exactly its shard's byte count); ``rank.to_device`` moves them to the device. When
 the peer fails part way (it died, stalled, or stopped sending), the bytes that had
@@ -26,7 +28,6 @@ import torch
 
 from rayload.loading.arrivals import Arrivals, Publish
 from rayload.loading.backends.base import BACKENDS, Backend, BackendResult, register, synchronize
-from rayload.loading.dtypes import torch_dtype
 from rayload.loading.methods import LoadMethod
 from rayload.loading.peer import (
     PeerMismatch,
@@ -38,7 +39,8 @@ from rayload.loading.peer import (
 )
 from rayload.loading.plan import RankPlan
 from rayload.loading.reader.pages import Prefaulter
-from rayload.loading.reader.reads import byte_view
+from rayload.loading.reader.reads import byte_view, shard_tensors
+from rayload.loading.reader.sinks import host_buffers
 from rayload.loading.report import READ, STORAGE_SOURCE, TO_DEVICE, PhaseRecord, PhaseTimer
 
 
@@ -50,8 +52,8 @@ class PeerBackend(Backend):
     def _load(self, plan: RankPlan, device: torch.device, timer: PhaseTimer) -> BackendResult:
         peer = self._peer()
         with timer.phase(READ, bytes=plan.nbytes, **peer_attributes(peer)) as attrs:
-            hosts = [torch.empty(s.shape, dtype=torch_dtype(s.dtype)) for s in plan.shards]
-            views = [_bytes(h) for h in hosts]
+            views = host_buffers([s.nbytes for s in plan.shards])
+            hosts = list(shard_tensors(plan.shards, views).values())
             arrivals = (self.publish or Arrivals)([s.name for s in plan.shards], views)
             prefault = Prefaulter(views)
             try:

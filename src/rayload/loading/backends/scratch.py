@@ -65,6 +65,7 @@ class ScratchBackend(ReaderBackend):
                     targets=targets,
                     touched=touched,
                     publish=self._publisher(plan),
+                    keep=len(shards),
                 )
             else:
                 buffers, sink, bytes_read = self._read_shared(
@@ -118,6 +119,7 @@ class ScratchBackend(ReaderBackend):
                 touched=touched,
                 publish=self._publisher(plan),
                 arrivals_out=arrivals,
+                keep=n,
             )
 
         buffers, sink, bytes_read = checked_round(share, self.group, read_first)

@@ -33,7 +33,14 @@ from rayload.loading.plan import TensorShard
 from rayload.loading.reader.options import ReaderOptions, ReadSettings, run_on
 from rayload.loading.reader.pages import prefault
 from rayload.loading.reader.readplan import Batch, Read, Segment, batch_reads, plan_reads
-from rayload.loading.reader.sinks import HostSink, Sink, StagedDeviceSink, Views, host_view
+from rayload.loading.reader.sinks import (
+    HostSink,
+    Sink,
+    StagedDeviceSink,
+    Views,
+    host_buffers,
+    host_view,
+)
 from rayload.loading.storage import Storage, is_remote, storage_for
 from rayload.loading.storage.base import Progress
 
@@ -294,6 +301,7 @@ def read_segments(
     touched: set[int] | None = None,
     publish: Callable[[Sequence[torch.Tensor]], Arrivals] | None = None,
     arrivals_out: list[Arrivals] | None = None,
+    keep: int = 0,
 ) -> tuple[list[torch.Tensor], Sink, int]:
     """Read ``segments`` into one byte buffer of ``sizes[i]`` per destination on
     ``device``. The first destinations are ``targets`` when given: existing byte buffers
@@ -302,8 +310,11 @@ def read_segments(
     ``publish`` (host memory only) is given the buffers before the first read and returns
     the :class:`~rayload.loading.arrivals.Arrivals` to mark as the bytes land (appended
     to ``arrivals_out`` when given, for a caller that fills some destinations itself).
-    Returns the buffers, the sink (call ``finish()`` before using device buffers) and the
-    bytes read."""
+    ``keep``: the first ``keep`` destinations are the load's tensors, which outlive the
+    read; on the host those it allocates share one allocation (:func:`host_buffers`: a
+    peer channel forwards runs of them with no packing copy), the others (scratch) do
+    not. Returns the buffers, the sink (call ``finish()`` before using device buffers)
+    and the bytes read."""
     remote = bool(segments) and is_remote(segments[0].file)
     settings = options.for_device(device, remote=remote)
     for i, target in enumerate(targets):
@@ -312,9 +323,14 @@ def read_segments(
                 f"destination {i} is {target.dtype} {tuple(target.shape)}, expected "
                 f"{sizes[i]} bytes as a 1-D uint8 view"
             )
+    together = sizes[len(targets) : keep] if device.type == "cpu" else []
     buffers = [
         *targets,
-        *(torch.empty(n, dtype=torch.uint8, device=device) for n in sizes[len(targets) :]),
+        *host_buffers(together),
+        *(
+            torch.empty(n, dtype=torch.uint8, device=device)
+            for n in sizes[len(targets) + len(together) :]
+        ),
     ]
     if device.type == "cuda":
         sink: Sink = StagedDeviceSink(buffers, settings, touched)

@@ -37,6 +37,32 @@ class Sink(Protocol):
         """Wait until every released batch is in its destination."""
 
 
+ALIGN_BYTES = 64
+"""Where :func:`host_buffers` begins each buffer: at a multiple of this many bytes, as
+torch's own CPU allocator does (vectorised kernels read whole cache lines)."""
+
+
+def host_buffers(sizes: Sequence[int]) -> list[torch.Tensor]:
+    """One 1-D uint8 CPU tensor of ``sizes[i]`` bytes per size, laid out one after the other
+    in a single allocation (each at a multiple of :data:`ALIGN_BYTES`; sizes that are
+    multiples of it, as a model's tensors are, leave no gap), so that consecutive buffers
+    are one range of memory: a peer channel sends and receives a run of them as one piece,
+    with no packing copy (:func:`~rayload.actors.channel.span`). Each tensor has a storage
+    of its own (pickling one carries its bytes only); the allocation lives while any of
+    them does."""
+    offsets, end = [], 0
+    for size in sizes:
+        offsets.append(end)
+        end = -(-(end + size) // ALIGN_BYTES) * ALIGN_BYTES
+    memory = torch.empty(end, dtype=torch.uint8).numpy()
+    return [
+        torch.frombuffer(memory, dtype=torch.uint8, count=size, offset=at)
+        if size
+        else torch.empty(0, dtype=torch.uint8)
+        for at, size in zip(offsets, sizes, strict=True)
+    ]
+
+
 def host_view(tensor: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous CPU tensor (no copy)."""
     return tensor.view(torch.uint8).reshape(-1).numpy().data.cast("B")
