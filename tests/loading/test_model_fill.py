@@ -285,7 +285,9 @@ def test_model_destinations_only_where_the_reader_fills_the_modules_memory(
 ) -> None:
     context = ModelContext(rank=0, tp_size=2, device="cpu", config=plan_config(tiny_llama))
     module = factory(context)
-    assert (model_destinations(module, method, "cpu", peer=peer) is None) == (method != "scratch")
+    fills = method == "scratch" or (peer and method == "auto")  # a channel writes host memory
+    assert (model_destinations(module, method, "cpu", peer=peer) is None) == (not fills)
+    assert model_destinations(module, "auto", "cuda:0", peer=True) is None, "gloo lands on host"
     with torch.device("meta"):
         bare = nn.Linear(3, 3)  # all on meta, nothing stacked: takes the shards as read
     assert model_destinations(bare, "scratch", "cpu") is None

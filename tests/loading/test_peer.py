@@ -82,6 +82,33 @@ def test_peer_load_is_bit_identical_to_storage(checkpoint: Path, method: str) ->
     assert report.source == "peer replica=3f2a rank=1 node=ab12cd34" == source_label(peer)
 
 
+@pytest.mark.parametrize(
+    ("faults", "source"),
+    [({}, "peer"), ({"fail_after": 2}, "peer and storage"), ({"fail_after": 0}, "storage")],
+)
+def test_peer_load_into_resident_tensors_writes_straight_into_them(
+    checkpoint: Path, faults: dict[str, int], source: str
+) -> None:
+    # An engine's parameters on the CPU, a reload's tensors: the channel (or, for what it
+    # did not give, storage) writes into that memory; nothing is loaded fresh and copied.
+    expected, _ = _storage(checkpoint)
+    resident = {name: torch.zeros_like(t) for name, t in expected.items()}
+    pointers = {name: t.data_ptr() for name, t in resident.items()}
+    tensors, report = load_rank(
+        checkpoint, 1, TP, "peer", peer=_holder(checkpoint, **faults), into=resident
+    )
+    _assert_equal(tensors, expected)
+    assert all(tensors[name] is resident[name] for name in resident)
+    assert {name: t.data_ptr() for name, t in resident.items()} == pointers
+    assert not [p for p in report.phases if p.attributes.get("copied_into_resident")]
+    plan = plan_shards(checkpoint, TP).ranks[1]
+    if source == "peer":
+        assert (report.method.effective, report.bytes_from_peers) == (LoadMethod.PEER, plan.nbytes)
+    else:
+        assert report.method.effective is LoadMethod.SCRATCH
+        assert (report.bytes_from_peers > 0) == (source == "peer and storage")
+
+
 def test_auto_with_a_peer_says_why_it_chose_it(llama: Path) -> None:
     _, report = load_rank(llama, 0, TP, "auto", peer=_holder(llama, 0))
     [resolve] = [p for p in report.phases if p.name == "rank.resolve"]

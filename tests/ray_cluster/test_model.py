@@ -187,3 +187,34 @@ def test_engine_phases_of_an_apply_that_raised_reach_the_trace(
     compiles = {s.rank: s for s in trace_reader(tmp_path) if s.name == "engine.compile"}
     assert set(compiles) == {0, 1}, "rank 1's phase came back, rank 0's was fetched"
     assert compiles[0].error and not compiles[1].error
+
+
+def test_a_load_from_a_peer_receives_straight_into_the_modules_parameters(
+    tiny_llama: Path, no_leaks: object, tmp_path: Path, trace_reader: Any
+) -> None:
+    from rayload.loading.methods import LoadMethod
+
+    with (
+        rayload.load(tiny_llama, 2, device="cpu") as first,
+        rayload.load(
+            tiny_llama, 2, device="cpu", model=toy_llama_on_device, trace_dir=tmp_path
+        ) as second,
+    ):
+        assert [r.method.effective for r in second.ranks] == [LoadMethod.PEER] * 2
+        assert [r.bytes_from_storage for r in second.ranks] == [0, 0]
+        for rank, view in enumerate(second.apply(model_view)):
+            params = view["params"]
+            assert all(view["same_storage"].values()) and view["qkv_views"], rank
+            for layer in range(2):
+                p = f"model.layers.{layer}."
+                qkv = torch.cat([first.shard(rank, f"{p}self_attn.{x}_proj.weight") for x in "qkv"])
+                assert torch.equal(params[p + "self_attn.qkv_proj.weight"], qkv), (rank, layer)
+            for name in ("model.embed_tokens.weight", "lm_head.weight"):
+                assert torch.equal(params[name], first.shard(rank, name)), (rank, name)
+    fills = [s for s in trace_reader(tmp_path) if s.name == "rank.model.fill"]
+    assert len(fills) == 2
+    for fill, plan in zip(
+        sorted(fills, key=lambda s: s.attributes["rayload.rank"]), second.plan.ranks, strict=True
+    ):
+        assert fill.attributes["rayload.model.copied_bytes"] == 0, "nothing copied after"
+        assert fill.attributes["rayload.model.direct_bytes"] == plan.nbytes

@@ -39,9 +39,10 @@ JOIN_TIMEOUT_S = 30.0
 holder that died after it answered."""
 
 BUCKET_BYTES = 8 << 20
-"""Tensors smaller than this travel together, packed into buckets of at most this many
-bytes (one broadcast per bucket, not per tensor: a checkpoint has hundreds of small
-tensors, a norm's weight a few KiB); a larger tensor is sent alone, from and into its
+"""Tensors smaller than this travel together, in buckets of at most this many bytes (one
+broadcast per bucket, not per tensor: a checkpoint has hundreds of small tensors, a
+norm's weight a few KiB; from and into their own memory where they are adjacent,
+:func:`span`, else packed); a larger tensor is sent alone, from and into its
 own memory, in ranges of this many bytes (:func:`pieces`; the first pieces are smaller,
 :data:`RAMP_PIECES`)."""
 

@@ -6,11 +6,13 @@ It asks the holder for a channel (waiting, within the load's time, while a holde
 itself loading finishes), checks that the holder has exactly the shards of the
 receiver's plan (or, for an alternate, the part it still lacks), joins the group as rank
 1 and receives each tensor of :data:`~rayload.actors.channel.BUCKET_BYTES` or more
-straight into the memory the ``peer`` backend allocated for it (smaller ones arrive in a
-packed bucket and are copied out), over the network or loopback, nothing through Ray's
-object store. Anything that fails (the holder's actor died, its socket closed, no piece
-for a stall's time, a plan that differs) becomes
-:class:`~rayload.loading.peer.PeerUnavailable`: the ``peer`` backend then asks the
+straight into the memory the ``peer`` backend gave it, and a run of smaller ones into
+theirs too where they lie one after the other (the backend allocates them so:
+:func:`~rayload.actors.channel.span`; else they arrive in a packed bucket and are copied
+out), over the network or loopback, nothing through Ray's object store. Anything that
+fails (the holder's actor died, its socket closed, no piece for a stall's time, a plan
+that differs) becomes :class:`~rayload.loading.peer.PeerUnavailable`: the ``peer``
+backend then asks the
 source's :meth:`~RayPeerSource.alternates`, then storage, and reports the switch.
 """
 

@@ -111,10 +111,14 @@ def model_destinations(
     each shard is read into (:func:`rayload.loading.fill.destinations`: the module's own
     where it has it, so that :func:`fill_module` copies nothing). None (the shards are
     read into fresh memory, then put in the module) when the requested ``method`` loads
-    into memory of its own (fastsafetensors, dummy; a ``peer`` source), or when the
-    module has nothing to read into (every parameter on meta, nothing stacked): it then
-    takes the shards' storage as they are."""
-    if method not in _READS_INTO_MEMORY or peer:
+    into memory of its own (fastsafetensors, dummy; a ``peer`` source onto a GPU: a gloo
+    channel lands in host memory), or when the module has nothing to read into (every
+    parameter on meta, nothing stacked): it then takes the shards' storage as they are.
+    A ``peer`` source onto the CPU writes straight into the module's memory too."""
+    on_host = str(device).split(":", 1)[0] == "cpu"
+    if peer and not (on_host and method in (*_READS_INTO_MEMORY, "peer")):
+        return None
+    if not peer and method not in _READS_INTO_MEMORY:
         return None
     has_memory = any(not p.is_meta for p in module.parameters())
     if not has_memory and not getattr(module, "stacked_params_mapping", None):

@@ -50,9 +50,38 @@ class PeerBackend(Backend):
     ``bytes_from_peers`` the plan's bytes, unless it fell back to ``storage``."""
 
     def _load(self, plan: RankPlan, device: torch.device, timer: PhaseTimer) -> BackendResult:
+        return self._fill(plan, device, timer, host_buffers([s.nbytes for s in plan.shards]))
+
+    def _load_into(
+        self,
+        plan: RankPlan,
+        device: torch.device,
+        timer: PhaseTimer,
+        views: Sequence[torch.Tensor],
+        written: set[str],
+    ) -> BackendResult:
+        """Straight into resident host tensors (an engine's parameters on the CPU, a
+        reload's tensors): the channel writes each piece into them (a run of them in one
+        go where they are adjacent, else through a bucket copied out). Device memory is
+        not a gloo channel's: fresh host memory then, copied in."""
+        if any(v.device.type != "cpu" for v in views):
+            return super()._load_into(plan, device, timer, views, written)
+        written.update(s.name for s in plan.shards)
+        return self._fill(plan, device, timer, list(views), resident=True)
+
+    def _fill(
+        self,
+        plan: RankPlan,
+        device: torch.device,
+        timer: PhaseTimer,
+        views: list[torch.Tensor],
+        *,
+        resident: bool = False,
+    ) -> BackendResult:
+        """Receive ``plan`` into ``views`` (each shard's host bytes; ``resident``: the
+        caller's tensors, which a fall back to storage reads into too)."""
         peer = self._peer()
         with timer.phase(READ, bytes=plan.nbytes, **peer_attributes(peer)) as attrs:
-            views = host_buffers([s.nbytes for s in plan.shards])
             hosts = list(shard_tensors(plan.shards, views).values())
             arrivals = (self.publish or Arrivals)([s.name for s in plan.shards], views)
             prefault = Prefaulter(views)
@@ -75,8 +104,8 @@ class PeerBackend(Backend):
         if log.mismatch or (not log.nbytes() and self.publish is None):
             # Nothing to keep, and no receiver of this rank's to keep going: storage reads
             # it all, its own way (straight to the device where it can).
-            del hosts, views
-            return self._from_storage(plan, device, timer, log)
+            del hosts
+            return self._from_storage(plan, device, timer, log, views if resident else None)
         if not arrivals.missing():  # every byte from peers: an alternate gave the rest
             return self._to_device(plan, device, timer, hosts, log)
         return self._rest_from_storage(plan, device, timer, log, hosts, arrivals)
@@ -150,14 +179,23 @@ class PeerBackend(Backend):
         return self.peer
 
     def _from_storage(
-        self, plan: RankPlan, device: torch.device, timer: PhaseTimer, log: _Received
+        self,
+        plan: RankPlan,
+        device: torch.device,
+        timer: PhaseTimer,
+        log: _Received,
+        resident: list[torch.Tensor] | None,
     ) -> BackendResult:
-        """Read ``plan`` with the storage method, its phases tagged ``source=storage``;
-        the result says the peers failed and why (joined with the storage method's own
-        fallback reason, when it has one)."""
+        """Read ``plan`` with the storage method (into ``resident``, the caller's
+        tensors, when given), its phases tagged ``source=storage``; the result says the
+        peers failed and why (joined with the storage method's own fallback reason, when
+        it has one)."""
         storage = self._storage_backend(publish=self.publish)
         with timer.tagged(source=STORAGE_SOURCE):
-            result = storage._load(plan, device, timer)
+            if resident is None:
+                result = storage._load(plan, device, timer)
+            else:
+                result = storage._load_into(plan, device, timer, resident, set())
         reason = f"{log.failed()}; read from storage instead"
         return replace(result, fallback_reason=_joined(reason, result))
 
