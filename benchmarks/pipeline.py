@@ -331,6 +331,8 @@ def _plot(rows: list[dict[str, Any]], path: Path, label: str) -> None:
     counts = sorted({r["n"] for r in rows})
     for case in CASES:
         xs = [n for n in counts if any(r["n"] == n and r["case"] == case for r in rows)]
+        if not xs:  # a case this run did not have
+            continue
         ys = [
             statistics.median(r["weights_s"] for r in rows if r["n"] == n and r["case"] == case)
             for n in xs
