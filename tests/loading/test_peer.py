@@ -13,9 +13,8 @@ import torch
 from rayload.errors import MethodUnavailableError
 from rayload.loading import load_rank, plan_shards
 from rayload.loading.arrivals import Arrivals
-from rayload.loading.backends.peer import PIECES
 from rayload.loading.methods import LoadMethod
-from rayload.loading.peer import PeerUnavailable, receive_shards, source_label
+from rayload.loading.peer import PIECES, PeerUnavailable, receive_shards, source_label
 from rayload.loading.rank import reload_rank
 from rayload.loading.report import READ, SYNC, TO_DEVICE, RankReport, mixed_method_warnings
 from rayload.tracing import format_metrics_table, startup_metrics

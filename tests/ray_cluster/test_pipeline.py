@@ -37,9 +37,8 @@ from rayload.actors.peer_receiver import RayPeerSource
 from rayload.actors.peers import PeerRef
 from rayload.errors import RayloadError
 from rayload.loading import load_rank, plan_shards, write_checkpoint
-from rayload.loading.backends.peer import PIECES
 from rayload.loading.methods import LoadMethod
-from rayload.loading.peer import PeerUnavailable
+from rayload.loading.peer import PIECES, PeerUnavailable
 from rayload.tracing import schema
 from support.s3 import S3Server, s3_server
 
@@ -353,14 +352,17 @@ class _Holder:
         return 0
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["pipelined", "fanout-0"])
 def test_a_holder_frozen_before_it_answers_is_given_up_within_a_stall_not_the_load_s_time(
-    pipeline_url: tuple[str, Path],
+    pipeline_url: tuple[str, Path], stream: bool
 ) -> None:
+    # Pipelined, a holder answers once its load knows its tensors; with peer_fanout=0,
+    # once its load has ended: either way the receiver pings it while it waits.
     _url, local = pipeline_url
     plan = plan_shards(local, 1).ranks[0]
     holder = _Holder.remote()  # type: ignore[attr-defined]
     pid = ray.get(holder.pid.remote())
-    ref = PeerRef(replica="f0", rank=0, node_id=None, actor=holder, loading=True, stream=True)
+    ref = PeerRef(replica="f0", rank=0, node_id=None, actor=holder, loading=True, stream=stream)
     source = RayPeerSource(ref, host="127.0.0.1", node_id=None, wait_s=300.0, stall_s=1.0)
     destinations = [torch.empty(s.nbytes, dtype=torch.uint8) for s in plan.shards]
     os.kill(pid, signal.SIGSTOP)
@@ -374,6 +376,56 @@ def test_a_holder_frozen_before_it_answers_is_given_up_within_a_stall_not_the_lo
         ray.kill(holder)
     print(f"measured: a frozen holder given up after {waited:.2f} s (the load's wait: 300 s)")
     assert waited < 60, "it waited the load's time, not a stall's"
+
+
+def test_an_alternate_asked_late_in_the_load_is_not_waited_for_past_the_load_s_end(
+    pipeline_url: tuple[str, Path],
+) -> None:
+    # The load may wait 3.5 s in all (0.5 s for its holder and a stall of 3 s more for
+    # its answer); its holder failed at the end of that (not modelled: the alternate is
+    # asked then). The frozen alternate would get a stall (3 s) to answer; it gets what
+    # is left of the load's time instead (nothing: the 1 s floor of any answer).
+    _url, local = pipeline_url
+    plan = plan_shards(local, 1).ranks[0]
+    alternate = _Holder.remote()  # type: ignore[attr-defined]
+    pid = ray.get(alternate.pid.remote())
+    alt = PeerRef(replica="f1", rank=0, node_id=None, actor=alternate, loading=True)
+    ref = PeerRef(replica="f0", rank=0, node_id=None, actor=None, alternates=(alt,))
+    source = RayPeerSource(ref, host="127.0.0.1", node_id=None, wait_s=0.5, stall_s=3.0)
+    [late] = source.alternates()
+    destinations = [torch.empty(s.nbytes, dtype=torch.uint8) for s in plan.shards]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(3.5)
+        start = time.monotonic()
+        with pytest.raises(PeerUnavailable, match="no answer from the holder within 1 s"):
+            list(late.fetch(plan, destinations))
+        waited = time.monotonic() - start
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        ray.kill(alternate)
+    print(f"measured: a late alternate given up after {waited:.2f} s (a stall: 3 s)")
+    assert waited < 2.5, "it was given a stall's time, past the load's end"
+
+
+def test_a_holder_answers_a_ping_however_many_receivers_wait_for_its_channels() -> None:
+    # A rank actor that has not loaded yet: each open_channel (peer_fanout=0: answered
+    # once its load has ended) waits in the peer group, more of them than its threads;
+    # the ping, in a group of its own, still answers, so no receiver takes it for frozen.
+    from rayload.actors.peers import PEER_CONCURRENCY
+    from rayload.actors.rank_group import _RemoteRankActor
+
+    actor = _RemoteRankActor.options(num_cpus=0).remote(0)
+    try:
+        ray.get(actor.ready.remote(), timeout=60)
+        waiting = [actor.open_channel.remote(20.0, {"w": 4}) for _ in range(PEER_CONCURRENCY + 2)]
+        time.sleep(0.5)
+        start = time.monotonic()
+        assert ray.get(actor.peer_ping.remote(), timeout=5) == 0
+        print(f"measured: ping answered in {time.monotonic() - start:.3f} s")
+        assert not ray.wait(waiting, timeout=0)[0], "the channel calls are still waiting"
+    finally:
+        ray.kill(actor)
 
 
 def test_a_tp_group_sharing_its_split1_fetches_forwards_while_it_loads(

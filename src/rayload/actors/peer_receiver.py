@@ -39,7 +39,10 @@ class RayPeerSource:
     for a holder that is still loading, ``stall_s`` the wait for each piece
     (:data:`~rayload.actors.channel.STALL_S`); ``part``: the plans this source is given
     are some of the holder's shards (an alternate's: what another holder did not give).
-    ``via`` says which way the bytes came."""
+    ``until`` (``time.monotonic()``; default: ``wait_s`` and its slack from now) is when
+    its holder must have answered at the latest, however long a wait it is given: the
+    load's end, which an alternate asked late in the load does not outwait. ``via`` says
+    which way the bytes came."""
 
     def __init__(
         self,
@@ -50,6 +53,7 @@ class RayPeerSource:
         wait_s: float,
         stall_s: float = STALL_S,
         part: bool = False,
+        until: float | None = None,
     ) -> None:
         self.ref = ref
         self.replica = ref.replica
@@ -61,13 +65,15 @@ class RayPeerSource:
         self._wait_s = wait_s
         self._stall_s = stall_s
         self._part = part
+        self._until = time.monotonic() + wait_s + self._slack if until is None else until
 
     def describe(self) -> str:
         return self.ref.describe()
 
     def alternates(self) -> list[RayPeerSource]:
-        """The ref's alternates, each given one stall's time in all to answer (one that
-        does not is passed over: storage is the last resort)."""
+        """The ref's alternates, each given one stall's time in all to answer, and never
+        past this source's ``until`` (one that does not answer is passed over: storage is
+        the last resort)."""
         return [
             RayPeerSource(
                 alt,
@@ -76,6 +82,7 @@ class RayPeerSource:
                 wait_s=self._stall_s,
                 stall_s=self._stall_s,
                 part=True,
+                until=self._until,
             )
             for alt in self.ref.alternates
         ]
@@ -91,7 +98,7 @@ class RayPeerSource:
         channel (a tensor cut short, ``offsets``, from where its bytes stopped)."""
         want = {shard.name: shard.nbytes for shard in plan.shards}
         into = {shard.name: d for shard, d in zip(plan.shards, destinations, strict=True)}
-        answer_by = time.monotonic() + self._wait_s + self._slack
+        answer_by = min(time.monotonic() + self._wait_s + self._slack, self._until)
         same_node = self.node_id is not None and self.node_id == self._own_node
         copy: SharedCopy | None = None
         if same_node:
@@ -116,8 +123,9 @@ class RayPeerSource:
         actor = self.ref.actor
         ref = actor.open_channel.remote(wait_s, want, self.ref.stream, self._part, offsets)
         timeout_s = max(wait_s + self._slack, 1.0)
-        if self.ref.stream:  # answered once its load knows its tensors: keep checking it lives
-            _answered_or_alive(ref, actor, timeout_s, self._stall_s)
+        # Answered once its load knows its tensors (streaming) or has ended: meanwhile,
+        # keep checking that it lives.
+        _answered_or_alive(ref, actor, timeout_s, self._stall_s)
         channel: PeerChannel = _get(ref, timeout_s)
         return channel
 
@@ -130,16 +138,19 @@ class RayPeerSource:
 
 
 def _answered_or_alive(ref: Any, actor: Any, timeout_s: float, stall_s: float) -> None:
-    """Return once ``ref`` (a call to ``actor``) is answered or ``timeout_s`` has passed,
-    asking ``actor`` every ``stall_s`` whether it is alive (``peer_ping``, which its peer
-    threads answer while its load runs); PeerUnavailable when it does not answer within a
-    stall (a frozen process, a lost node), instead of waiting out the load's time."""
+    """Return once ``ref`` (a call to ``actor``) is answered, asking ``actor`` every
+    ``stall_s`` whether it is alive (``peer_ping``, which a thread of its own answers
+    while its load runs and channel calls wait). PeerUnavailable when the holder does not
+    answer a ping within a stall (a frozen process, a lost node: instead of waiting out
+    the load's time), or ``ref`` within ``timeout_s`` in all."""
     deadline = time.monotonic() + timeout_s
     while (left := deadline - time.monotonic()) > 0:
         ready, _ = ray.wait([ref], timeout=min(stall_s, left))
         if ready:
             return
-        _get(actor.peer_ping.remote(), stall_s)
+        if (left := deadline - time.monotonic()) >= 1.0:  # else the time is up anyway
+            _get(actor.peer_ping.remote(), min(stall_s, left))
+    raise PeerUnavailable(f"no answer from the holder within {timeout_s:.0f} s")
 
 
 def _get(ref: Any, timeout_s: float) -> Any:

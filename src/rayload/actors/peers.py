@@ -55,6 +55,8 @@ __all__ = [
     "BUCKET_BYTES",
     "PEER_CONCURRENCY",
     "PEER_GROUP",
+    "PING_CONCURRENCY",
+    "PING_GROUP",
     "PeerChannel",
     "PeerRef",
     "ShardServer",
@@ -65,10 +67,19 @@ __all__ = [
 ]
 
 PEER_GROUP = "peer"
-"""The rank actor's concurrency group for the peer methods (opening a channel, ping)."""
+"""The rank actor's concurrency group for the peer methods that may wait (opening a
+channel, which waits for the load; the shared copy)."""
 
 PEER_CONCURRENCY = 4
 """Peer calls a rank actor serves at once."""
+
+PING_GROUP = "peer_ping"
+"""The rank actor's concurrency group for :meth:`peer_ping` alone, so that it answers
+at once however many ``open_channel`` calls wait in :data:`PEER_GROUP` (receivers of a
+holder still loading): a receiver takes an unanswered ping for a frozen holder."""
+
+PING_CONCURRENCY = 2
+"""Pings a rank actor answers at once (each returns at once)."""
 
 SHARED_OBJECT_BYTES = 64 << 20
 """About how many bytes of tensors one object of a shared copy holds (a larger tensor is

@@ -52,7 +52,7 @@ from rayload.actors.messages import (
     RankState,
 )
 from rayload.actors.peer_receiver import RayPeerSource
-from rayload.actors.peers import PEER_GROUP, PeerChannel, ShardServer, SharedCopy
+from rayload.actors.peers import PEER_GROUP, PING_GROUP, PeerChannel, ShardServer, SharedCopy
 from rayload.actors.process_group import free_port, join_process_group, leave_process_group
 from rayload.import_clock import IMPORT_START_NS, TORCH_CHILD_IMPORTS, TORCH_IMPORTED_NS
 from rayload.loading import load_rank
@@ -117,10 +117,10 @@ class RankActor:
     stalled; the ninth packs each piece of several tensors into a buffer of its own, as
     before they crossed in place (see :mod:`rayload.actors.hooks`).
 
-    Once loaded, the rank is a *holder* for other replicas: :meth:`open_channel`,
-    :meth:`shared_copy` and :meth:`peer_ping` run in the actor's ``peer`` concurrency
-    group, so they answer while the main thread loads or runs engine code
-    (:mod:`rayload.actors.peers`).
+    Once loaded, the rank is a *holder* for other replicas: :meth:`open_channel` and
+    :meth:`shared_copy` run in the actor's ``peer`` concurrency group, :meth:`peer_ping`
+    in a group of its own (it answers however many channel calls wait), so they answer
+    while the main thread loads or runs engine code (:mod:`rayload.actors.peers`).
     """
 
     def __init__(
@@ -327,7 +327,7 @@ class RankActor:
         when there is none."""
         return self._shards.shared_copy(want, part=part)
 
-    @ray.method(concurrency_group=PEER_GROUP)
+    @ray.method(concurrency_group=PING_GROUP)
     def peer_ping(self) -> int:
         """Alive (answers even while loading); how many sends to receivers this rank has
         begun (their first bucket sent)."""

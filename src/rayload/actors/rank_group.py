@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError, RayError
 from rayload import cluster
 from rayload.actors.hooks import TestHooks
 from rayload.actors.messages import ActorInfo, LoadRequest, RankOutcome, RankSetup
-from rayload.actors.peers import PEER_CONCURRENCY, PEER_GROUP
+from rayload.actors.peers import PEER_CONCURRENCY, PEER_GROUP, PING_CONCURRENCY, PING_GROUP
 from rayload.actors.rank_actor import RankActor
 from rayload.errors import (
     ClusterLostError,
@@ -38,9 +38,9 @@ from rayload.tracing.clock import ClockSample, best_clock_offset
 
 log = logging.getLogger(__name__)
 
-_RemoteRankActor: Any = ray.remote(concurrency_groups={PEER_GROUP: PEER_CONCURRENCY})(  # type: ignore[call-overload]
-    RankActor
-)
+_RemoteRankActor: Any = ray.remote(  # type: ignore[call-overload]
+    concurrency_groups={PEER_GROUP: PEER_CONCURRENCY, PING_GROUP: PING_CONCURRENCY}
+)(RankActor)
 
 CLOCK_ROUNDS = 5
 """Clock-offset round trips per rank; the one with the smallest round trip is kept."""

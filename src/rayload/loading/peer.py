@@ -13,7 +13,8 @@ replica, so the new one reads nothing from storage. This module is the Ray-free 
   arrive exactly once; any failure of the source becomes :class:`PeerUnavailable`, so the
   backend can discard what it got and read storage;
 * :func:`check_sizes`, how a source checks that the peer holds exactly a plan's shards;
-* :func:`source_label` and :func:`peer_attributes`, what the trace says about the source.
+* :func:`source_label` and :func:`peer_attributes`, what the trace says about the source,
+  and :class:`Pieces`, the :data:`PIECES` span of the pieces one source gave.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from typing import Any, Protocol
 
 import torch
 
+from rayload.loading.arrivals import Arrivals
 from rayload.loading.plan import RankPlan
+from rayload.loading.report import PhaseRecord, PhaseTimer
 
 Landed = Callable[[str, int, int], None]
 """``landed(name, offset, length)``: bytes ``offset .. offset + length`` of tensor
@@ -196,3 +199,71 @@ def _cause(exc: Exception) -> str:
     if isinstance(exc, PeerUnavailable):
         return str(exc)
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+PIECES = "rank.peer_pieces"
+"""The span of a rank's pieces from a peer: from the first one's arrival to the last's,
+with ``pieces``, ``bytes`` and ``piece_ms`` (each piece's arrival, ms after the span's
+start, in order): from whom the rank received which bytes, and when."""
+
+_MAX_PIECE_TIMES = 4096
+"""At most this many arrival times on a span (a 1 TB shard's 8 MiB pieces would be 130k)."""
+
+
+class Pieces:
+    """Records each piece from one source as it lands (``landed``, given to the receiver)
+    into ``arrivals`` and by tensor (``resumed``: the tensors it was asked to send from a
+    byte on, cut short before), then :meth:`record` s the :data:`PIECES` span."""
+
+    def __init__(
+        self,
+        arrivals: Arrivals,
+        clock: Callable[[], int],
+        resumed: Mapping[str, int] | None = None,
+    ) -> None:
+        self._arrivals, self._clock = arrivals, clock
+        self.resumed = dict(resumed or {})
+        self.times: list[int] = []
+        self.by_name: dict[str, int] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.by_name.values())
+
+    def landed(self, name: str, offset: int, length: int) -> None:
+        if new := self._arrivals.landed_name(name, offset, length):
+            self.times.append(self._clock())
+            self.by_name[name] = self.by_name.get(name, 0) + new
+
+    def kept(self, rest: RankPlan | None = None) -> int:
+        """The bytes it landed, less those of ``rest``'s tensors (read again whole)."""
+        again = {s.name for s in rest.shards} if rest is not None else set()
+        return sum(n for name, n in self.by_name.items() if name not in again)
+
+    def resumed_said(self) -> str:
+        """``, 'name' from byte B on`` for each tensor it resumed and landed bytes of."""
+        return "".join(
+            f", {name!r} from byte {at} on"
+            for name, at in self.resumed.items()
+            if name in self.by_name
+        )
+
+    def record(self, timer: PhaseTimer, source: str) -> None:
+        if not self.times:
+            return
+        first = self.times[0]
+        step = max(1, -(-len(self.times) // _MAX_PIECE_TIMES))
+        timer.records.append(
+            PhaseRecord(
+                PIECES,
+                first,
+                self.times[-1],
+                {
+                    **timer.tags,
+                    "source": source,
+                    "pieces": len(self.times),
+                    "bytes": self.nbytes,
+                    "piece_ms": [round((t - first) / 1e6, 1) for t in self.times[::step]],
+                },
+            )
+        )

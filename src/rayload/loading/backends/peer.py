@@ -20,7 +20,7 @@ where. Nothing half-loaded is returned.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -33,15 +33,16 @@ from rayload.loading.peer import (
     PeerMismatch,
     PeerSource,
     PeerUnavailable,
+    Pieces,
     peer_attributes,
     receive_shards,
     source_label,
 )
 from rayload.loading.plan import RankPlan
 from rayload.loading.reader.pages import Prefaulter
-from rayload.loading.reader.reads import byte_view, shard_tensors
+from rayload.loading.reader.reads import shard_tensors
 from rayload.loading.reader.sinks import host_buffers
-from rayload.loading.report import READ, STORAGE_SOURCE, TO_DEVICE, PhaseRecord, PhaseTimer
+from rayload.loading.report import READ, STORAGE_SOURCE, TO_DEVICE, PhaseTimer
 
 
 @register(LoadMethod.PEER)
@@ -153,7 +154,7 @@ class PeerBackend(Backend):
         them all. The load does not start over; the result (``effective``: the storage
         method) names the switch and how much came from where."""
         storage = self._storage_backend(publish=partial(_Rest, arrivals))
-        rest, views = _missing_part(plan, arrivals, [_bytes(h) for h in hosts])
+        rest, views = _missing_part(plan, arrivals, arrivals.buffers)
         with timer.tagged(source=STORAGE_SOURCE):
             result = storage._load_into(rest, torch.device("cpu"), timer, views, set())
         for shard in rest.shards:  # a storage method that publishes nothing as it reads
@@ -210,18 +211,18 @@ class PeerBackend(Backend):
 @dataclass
 class _Received:
     """What a rank's peers gave and how they failed: ``given``, each source asked, in
-    order, with how many tensors it completed and its :class:`_Pieces` (which bytes it
+    order, with how many tensors it completed and its :class:`Pieces` (which bytes it
     landed); ``failures``, each source that failed, and why; ``mismatch``, one sent what
     the plan does not hold."""
 
     plan: RankPlan
     first: PeerSource
-    given: list[tuple[PeerSource, int, _Pieces]] = field(default_factory=list)
+    given: list[tuple[PeerSource, int, Pieces]] = field(default_factory=list)
     failures: list[tuple[PeerSource, str]] = field(default_factory=list)
     mismatch: bool = False
 
     @property
-    def pieces(self) -> list[tuple[_Pieces, PeerSource]]:
+    def pieces(self) -> list[tuple[Pieces, PeerSource]]:
         return [(pieces, source) for source, _, pieces in self.given]
 
     def nbytes(self, rest: RankPlan | None = None) -> int:
@@ -286,16 +287,16 @@ def _receive(
     it fails part way, each of its alternates in turn with what is still missing (a
     tensor cut short from where its bytes stopped); every range is marked in
     ``arrivals`` as it lands (this rank's own receivers follow them) and in each source's
-    :class:`_Pieces` (a :data:`PIECES` span naming it)."""
+    :class:`Pieces` (a :data:`PIECES` span naming it)."""
     log = _Received(plan, peer)
     index = {shard.name: i for i, shard in enumerate(plan.shards)}
     for source in [peer, *peer.alternates()]:
         part, part_views = _missing_part(plan, arrivals, views)
         missing = {shard.name for shard in part.shards}
         offsets = {n: a for n in missing if (a := arrivals.arrived(index[n]))}
-        pieces = _Pieces(arrivals, timer.clock, offsets)
+        pieces = Pieces(arrivals, timer.clock, offsets)
 
-        def landed(name: str, offset: int, length: int, pieces: _Pieces = pieces) -> None:
+        def landed(name: str, offset: int, length: int, pieces: Pieces = pieces) -> None:
             pieces.landed(name, offset, length)
             prefault.advance(length)
 
@@ -339,77 +340,3 @@ class _Rest(Arrivals):
 def _joined(reason: str, result: BackendResult) -> str:
     """``reason``, then the storage method's own fallback reason when it has one."""
     return "; ".join([reason, *([result.fallback_reason] if result.fallback_reason else [])])
-
-
-PIECES = "rank.peer_pieces"
-"""The span of a rank's pieces from a peer: from the first one's arrival to the last's,
-with ``pieces``, ``bytes`` and ``piece_ms`` (each piece's arrival, ms after the span's
-start, in order): from whom the rank received which bytes, and when."""
-
-_MAX_PIECE_TIMES = 4096
-"""At most this many arrival times on a span (a 1 TB shard's 8 MiB pieces would be 130k)."""
-
-
-class _Pieces:
-    """Records each piece from one source as it lands (``landed``, given to the receiver)
-    into ``arrivals`` and by tensor (``resumed``: the tensors it was asked to send from a
-    byte on, cut short before), then :meth:`record` s the :data:`PIECES` span."""
-
-    def __init__(
-        self,
-        arrivals: Arrivals,
-        clock: Callable[[], int],
-        resumed: Mapping[str, int] | None = None,
-    ) -> None:
-        self._arrivals, self._clock = arrivals, clock
-        self.resumed = dict(resumed or {})
-        self.times: list[int] = []
-        self.by_name: dict[str, int] = {}
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.by_name.values())
-
-    def landed(self, name: str, offset: int, length: int) -> None:
-        if new := self._arrivals.landed_name(name, offset, length):
-            self.times.append(self._clock())
-            self.by_name[name] = self.by_name.get(name, 0) + new
-
-    def kept(self, rest: RankPlan | None = None) -> int:
-        """The bytes it landed, less those of ``rest``'s tensors (read again whole)."""
-        again = {s.name for s in rest.shards} if rest is not None else set()
-        return sum(n for name, n in self.by_name.items() if name not in again)
-
-    def resumed_said(self) -> str:
-        """``, 'name' from byte B on`` for each tensor it resumed and landed bytes of."""
-        return "".join(
-            f", {name!r} from byte {at} on"
-            for name, at in self.resumed.items()
-            if name in self.by_name
-        )
-
-    def record(self, timer: PhaseTimer, source: str) -> None:
-        if not self.times:
-            return
-        first = self.times[0]
-        step = max(1, -(-len(self.times) // _MAX_PIECE_TIMES))
-        timer.records.append(
-            PhaseRecord(
-                PIECES,
-                first,
-                self.times[-1],
-                {
-                    **timer.tags,
-                    "source": source,
-                    "pieces": len(self.times),
-                    "bytes": self.nbytes,
-                    "piece_ms": [round((t - first) / 1e6, 1) for t in self.times[::step]],
-                },
-            )
-        )
-
-
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    view = byte_view(tensor)
-    assert view is not None, "a fresh tensor is contiguous"
-    return view
