@@ -352,6 +352,25 @@ class _Holder:
         return 0
 
 
+def _given_up_on_frozen(
+    source: RayPeerSource, plan: Any, holder: Any, pid: int, said: str, *, after_s: float = 0.0
+) -> float:
+    """Freeze ``holder`` (its process ``pid``), wait ``after_s``, then fetch ``plan`` from
+    ``source``: the seconds until it raised PeerUnavailable saying ``said``. The holder
+    is thawed and killed after."""
+    destinations = [torch.empty(s.nbytes, dtype=torch.uint8) for s in plan.shards]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(after_s)
+        start = time.monotonic()
+        with pytest.raises(PeerUnavailable, match=f"no answer from the holder {said}"):
+            list(source.fetch(plan, destinations))
+        return time.monotonic() - start
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        ray.kill(holder)
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["pipelined", "fanout-0"])
 def test_a_holder_frozen_before_it_answers_is_given_up_within_a_stall_not_the_load_s_time(
     pipeline_url: tuple[str, Path], stream: bool
@@ -364,16 +383,7 @@ def test_a_holder_frozen_before_it_answers_is_given_up_within_a_stall_not_the_lo
     pid = ray.get(holder.pid.remote())
     ref = PeerRef(replica="f0", rank=0, node_id=None, actor=holder, loading=True, stream=stream)
     source = RayPeerSource(ref, host="127.0.0.1", node_id=None, wait_s=300.0, stall_s=1.0)
-    destinations = [torch.empty(s.nbytes, dtype=torch.uint8) for s in plan.shards]
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        start = time.monotonic()
-        with pytest.raises(PeerUnavailable, match="no answer from the holder within 1 s"):
-            list(source.fetch(plan, destinations))
-        waited = time.monotonic() - start
-    finally:
-        os.kill(pid, signal.SIGCONT)
-        ray.kill(holder)
+    waited = _given_up_on_frozen(source, plan, holder, pid, "within 1 s")
     print(f"measured: a frozen holder given up after {waited:.2f} s (the load's wait: 300 s)")
     assert waited < 60, "it waited the load's time, not a stall's"
 
@@ -393,17 +403,7 @@ def test_an_alternate_asked_late_in_the_load_is_not_waited_for_past_the_load_s_e
     ref = PeerRef(replica="f0", rank=0, node_id=None, actor=None, alternates=(alt,))
     source = RayPeerSource(ref, host="127.0.0.1", node_id=None, wait_s=0.5, stall_s=3.0)
     [late] = source.alternates()
-    destinations = [torch.empty(s.nbytes, dtype=torch.uint8) for s in plan.shards]
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        time.sleep(3.5)
-        start = time.monotonic()
-        with pytest.raises(PeerUnavailable, match="no answer from the holder within 1 s"):
-            list(late.fetch(plan, destinations))
-        waited = time.monotonic() - start
-    finally:
-        os.kill(pid, signal.SIGCONT)
-        ray.kill(alternate)
+    waited = _given_up_on_frozen(late, plan, alternate, pid, "within 1 s", after_s=3.5)
     print(f"measured: a late alternate given up after {waited:.2f} s (a stall: 3 s)")
     assert waited < 2.5, "it was given a stall's time, past the load's end"
 
