@@ -112,17 +112,17 @@ def span(views: Sequence[torch.Tensor]) -> torch.Tensor | None:
     tensors crosses from and into their own memory, with no packing copy; None when they
     do not. Every byte of it is one of the views', which must outlive it."""
     first = views[0]
-    end = first.data_ptr() + first.numel()
-    for view in views[1:]:
-        if view.device.type != "cpu" or not view.is_contiguous() or view.data_ptr() != end:
-            return None
-        end += view.numel()
     if first.device.type != "cpu" or not first.is_contiguous():
         return None
     if len(views) == 1:
         return first
     if not in_place:
         return None
+    end = first.data_ptr() + first.numel()
+    for view in views[1:]:
+        if view.device.type != "cpu" or not view.is_contiguous() or view.data_ptr() != end:
+            return None
+        end += view.numel()
     memory = (ctypes.c_uint8 * (end - first.data_ptr())).from_address(first.data_ptr())
     return torch.frombuffer(memory, dtype=torch.uint8)
 

@@ -115,10 +115,11 @@ def model_destinations(
     channel lands in host memory), or when the module has nothing to read into (every
     parameter on meta, nothing stacked): it then takes the shards' storage as they are.
     A ``peer`` source onto the CPU writes straight into the module's memory too."""
-    on_host = str(device).split(":", 1)[0] == "cpu"
-    if peer and not (on_host and method in (*_READS_INTO_MEMORY, "peer")):
-        return None
-    if not peer and method not in _READS_INTO_MEMORY:
+    if peer:
+        fills = str(device).split(":", 1)[0] == "cpu" and method in (*_READS_INTO_MEMORY, "peer")
+    else:
+        fills = method in _READS_INTO_MEMORY
+    if not fills:
         return None
     has_memory = any(not p.is_meta for p in module.parameters())
     if not has_memory and not getattr(module, "stacked_params_mapping", None):
