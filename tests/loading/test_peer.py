@@ -4,8 +4,10 @@ reads storage instead, reported as a fallback, whenever the source fails."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,7 +18,16 @@ from rayload.loading.arrivals import Arrivals
 from rayload.loading.methods import LoadMethod
 from rayload.loading.peer import PIECES, PeerUnavailable, receive_shards, source_label
 from rayload.loading.rank import reload_rank
-from rayload.loading.report import READ, SYNC, TO_DEVICE, RankReport, mixed_method_warnings
+from rayload.loading.reader.options import ReaderOptions
+from rayload.loading.report import (
+    READ,
+    SYNC,
+    TO_DEVICE,
+    PhaseTimer,
+    RankReport,
+    mixed_method_warnings,
+)
+from rayload.loading.synthetic import write_checkpoint
 from rayload.tracing import format_metrics_table, startup_metrics
 from rayload.tracing.rank_spans import report_attributes
 from support.peers import TensorPeer
@@ -474,6 +485,81 @@ def test_peer_load_onto_cuda_is_bit_identical_to_storage(mixed_dtype_checkpoint:
     _assert_equal(tensors, expected)
     _, fell_back = load_rank(path, 1, TP, "peer", "cuda", peer=_holder(path, fail_after=1))
     assert fell_back.method.effective is not LoadMethod.PEER
+
+
+class _CheckedArrivals(Arrivals):
+    """Real arrivals that check each mark as it is made: the bytes marked must be in the
+    device memory already, equal to ``expected`` (tensor index -> its bytes on the host)."""
+
+    def __init__(
+        self, names: Sequence[str], buffers: Sequence[torch.Tensor], expected: list[torch.Tensor]
+    ) -> None:
+        super().__init__(names, buffers)
+        self.expected = expected
+        self.wrong: list[str] = []
+
+    def landed(self, index: int, offset: int, length: int) -> int:
+        got = self.buffers[index][offset : offset + length].cpu()
+        if not torch.equal(got, self.expected[index][offset : offset + length]):
+            self.wrong.append(f"{self.names[index]} bytes {offset}..{offset + length}")
+        return super().landed(index, offset, length)
+
+
+class _ArrivedAtToDevice(PhaseTimer):
+    """Notes how many bytes had been marked arrived when ``rank.to_device`` began (the
+    staged copies' last wait)."""
+
+    def __init__(self, arrivals: list[_CheckedArrivals]) -> None:
+        super().__init__()
+        self.arrivals = arrivals
+        self.before_to_device: int | None = None
+
+    @contextmanager
+    def phase(self, name: str, **attributes: Any) -> Iterator[dict[str, Any]]:
+        if name == TO_DEVICE:
+            a = self.arrivals[0]
+            self.before_to_device = sum(a.arrived(i) for i in range(len(a.sizes)))
+        with super().phase(name, **attributes) as attrs:
+            yield attrs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_storage_load_onto_cuda_marks_each_batch_once_its_copy_has_landed(
+    tmp_path: Path,
+) -> None:
+    """A GPU root of the pipelined fan-out forwards while it loads: scratch onto a GPU
+    marks each staging batch's bytes as arrived once its host-to-device copy is done
+    (every mark checked against the bytes in device memory at that moment), most of them
+    before the load's last wait: all but the batches of the last window (staging
+    buffers), not all at its end."""
+    path = write_checkpoint(tmp_path / "ckpt", size_gb=0.02)  # some 300 batches of 64 KiB
+    expected, _ = _storage(path)
+    host = [t.contiguous().view(-1).view(torch.uint8) for t in expected.values()]
+    made: list[_CheckedArrivals] = []
+
+    def publish(names: Sequence[str], buffers: Sequence[torch.Tensor]) -> Arrivals:
+        made.append(_CheckedArrivals(names, buffers, host))
+        return made[-1]
+
+    timer = _ArrivedAtToDevice(made)
+    chunk, staging = 64 << 10, 2
+    options = ReaderOptions(threads=2, chunk_bytes=chunk, staging_buffers=staging)
+    tensors, _ = load_rank(
+        path, 1, TP, "scratch", "cuda", publish=publish, timer=timer, reader_options=options
+    )
+    _assert_equal({k: v.cpu() for k, v in tensors.items()}, expected)
+    [arrivals] = made
+    assert all(b.device.type == "cuda" for b in arrivals.buffers)
+    assert arrivals.wrong == [], "marked before its copy had landed"
+    assert arrivals.missing() == []
+    total = sum(arrivals.sizes)
+    assert timer.before_to_device is not None
+    # A batch is marked at the latest when its staging buffer is taken again: by the
+    # load's last wait, only the last window's batches (and the one released last) can
+    # still be on their way.
+    unmarked = total - timer.before_to_device
+    assert 0 <= unmarked <= (staging + 1) * chunk, (unmarked, total)
 
 
 # --- the channel's buckets ----------------------------------------------------------------

@@ -307,8 +307,9 @@ def read_segments(
     ``device``. The first destinations are ``targets`` when given: existing byte buffers
     (:func:`byte_view` of resident tensors), filled in place; the others are allocated.
     ``touched`` collects the indices of the destinations the reader began writing.
-    ``publish`` (host memory only) is given the buffers before the first read and returns
-    the :class:`~rayload.loading.arrivals.Arrivals` to mark as the bytes land (appended
+    ``publish`` is given the buffers before the first read and returns the
+    :class:`~rayload.loading.arrivals.Arrivals` to mark as the bytes land (on a device:
+    as each staging batch's copy completes; appended
     to ``arrivals_out`` when given, for a caller that fills some destinations itself).
     ``keep``: the first ``keep`` destinations are the load's tensors, which outlive the
     read; on the host those it allocates share one allocation (:func:`host_buffers`: a
@@ -332,15 +333,16 @@ def read_segments(
             for n in sizes[len(targets) + len(together) :]
         ),
     ]
-    if device.type == "cuda":
-        sink: Sink = StagedDeviceSink(buffers, settings, touched)
-    else:
-        sink = HostSink([host_view(b) for b in buffers], touched)
     landing = None
-    if publish is not None and device.type == "cpu":  # the host sink reads in place
+    if publish is not None:
         landing = Landing(publish(buffers))
         if arrivals_out is not None:
             arrivals_out.append(landing.arrivals)
+    if device.type == "cuda":  # told as each batch's copy completes
+        sink: Sink = StagedDeviceSink(buffers, settings, touched, landing)
+        landing = None
+    else:  # the host sink reads in place: told as each read ends
+        sink = HostSink([host_view(b) for b in buffers], touched)
     chunk = settings.chunk_bytes
     batches = batch_reads(plan_reads(segments, chunk), chunk)
     return buffers, sink, run_reads(batches, sink, settings, on_read=on_read, landing=landing)

@@ -3,7 +3,9 @@
 * :class:`HostSink`: straight into the destination host buffers (CPU loads, convert).
 * :class:`StagedDeviceSink`: into a ring of pinned host buffers, then ``non_blocking``
   host-to-device copies on a side stream; a staging buffer is reused only after the copy
-  out of it has finished (an event), so reads and copies overlap.
+  out of it has finished (an event), so reads and copies overlap. A load that publishes
+  its progress is told of each batch once its copy has finished (a device holder
+  forwards what is in device memory, not what is still on its way there).
 """
 
 from __future__ import annotations
@@ -15,7 +17,14 @@ from typing import Protocol
 import torch
 
 from rayload.loading.reader.options import ReadSettings
-from rayload.loading.reader.readplan import Batch
+from rayload.loading.reader.readplan import Batch, Read
+
+
+class Landed(Protocol):
+    """Told that a read's bytes are in their destinations (:class:`~.reads.Landing`)."""
+
+    def landed(self, read: Read) -> None: ...
+
 
 Views = list[list[memoryview]]
 """Per read of a batch, the buffers ``os.preadv`` fills."""
@@ -104,7 +113,10 @@ class StagedDeviceSink:
     Staging buffers are allocated when first needed, up to ``settings.window``: the first
     read starts after one allocation instead of all of them (page-locking new memory is
     slow), and a load of few batches pins few buffers. ``touched``, when given, collects
-    the destinations a copy has been queued into."""
+    the destinations a copy has been queued into. ``landing``, when given, is told of a
+    batch's reads once its copy's event has completed: checked at each batch acquired
+    and released, and for all of them at ``finish()``, so it lags the copies by at most
+    the window."""
 
     prefault = False  # pinned staging buffers are resident
 
@@ -113,20 +125,24 @@ class StagedDeviceSink:
         targets: Sequence[torch.Tensor],
         settings: ReadSettings,
         touched: set[int] | None = None,
+        landing: Landed | None = None,
     ) -> None:
         self.targets = targets
         self.touched = touched
+        self.landing = landing
         self.device = targets[0].device if targets else torch.device("cuda", 0)
         self.stream = torch.cuda.Stream(self.device)
         self._chunk_bytes = settings.chunk_bytes
         self._unallocated = settings.window
         self._free: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()
         self._busy: deque[torch.Tensor] = deque()  # acquired, in batch order
+        self._copying: deque[tuple[Batch, torch.cuda.Event]] = deque()  # landing not told
 
     def acquire(self, batch: Batch) -> Views:
         if self._free:
             buffer, copied = self._free.popleft()
             copied.synchronize()
+            self._tell_landed()
         elif self._unallocated:
             self._unallocated -= 1
             buffer = torch.empty(self._chunk_bytes, dtype=torch.uint8, pin_memory=True)
@@ -152,9 +168,21 @@ class StagedDeviceSink:
             event = torch.cuda.Event()
             event.record(self.stream)
         self._free.append((buffer, event))
+        if self.landing is not None:
+            self._copying.append((batch, event))
+            self._tell_landed()
 
     def finish(self) -> None:
         self.stream.synchronize()
+        self._tell_landed()
+
+    def _tell_landed(self) -> None:
+        """Tell ``landing`` of the batches whose copies have completed, in batch order."""
+        copying, landing = self._copying, self.landing
+        while landing is not None and copying and copying[0][1].query():
+            batch, _ = copying.popleft()
+            for read in batch.reads:
+                landing.landed(read)
 
 
 def _copy_runs(batch: Batch) -> Iterator[tuple[int, int, int, int]]:
