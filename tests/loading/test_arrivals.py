@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
+import pytest
 import torch
 
-from rayload.loading.arrivals import Arrivals
+from rayload.loading.arrivals import Arrivals, ArrivalsEnded
 
 
 def test_landed_counts_only_the_bytes_new_past_the_prefix() -> None:
@@ -18,3 +22,28 @@ def test_landed_counts_only_the_bytes_new_past_the_prefix() -> None:
     assert arrivals.landed(0, 60, 20) == 20  # joins the held-back range
     assert arrivals.arrived(0) == 100 and arrivals.missing() == []
     assert arrivals.landed(0, 10, 0) == 0
+
+
+def test_relayed_arrivals_start_with_their_first_byte_a_storage_read_s_at_once() -> None:
+    """A peer receiver's arrivals (``relayed``) say bytes are coming only once one has
+    landed: its upstream may be waiting for a whole load first; a storage read's at once."""
+    assert Arrivals(["a"], [torch.empty(8, dtype=torch.uint8)]).started(0.0) is True
+    relayed = Arrivals(["a"], [torch.empty(8, dtype=torch.uint8)], relayed=True)
+    assert relayed.started(0.05) is False
+    relayed.landed(0, 4, 2)  # any byte, even past the prefix
+    assert relayed.started(0.0) is True
+    finished = Arrivals(["a"], [torch.empty(8, dtype=torch.uint8)], relayed=True)
+    finished.complete()
+    assert finished.started(0.0) is True
+
+
+def test_waiting_for_relayed_arrivals_to_start_ends_with_the_load() -> None:
+    relayed = Arrivals(["a"], [torch.empty(8, dtype=torch.uint8)], relayed=True)
+    threading.Timer(0.05, relayed.end, args=("its own load failed",)).start()
+    with pytest.raises(ArrivalsEnded, match="its own load failed"):
+        relayed.started(30.0)
+    woken = Arrivals(["a"], [torch.empty(8, dtype=torch.uint8)], relayed=True)
+    threading.Timer(0.05, woken.landed, args=(0, 0, 1)).start()
+    began = time.monotonic()
+    assert woken.started(30.0) is True
+    assert time.monotonic() - began < 10.0  # woken by the byte, not by the timeout

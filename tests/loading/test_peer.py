@@ -349,8 +349,10 @@ def test_a_publishing_rank_whose_peer_gave_nothing_reads_storage_into_the_same_a
     any byte: its own receivers follow the storage read instead of being cut off."""
     published: list[Arrivals] = []
 
-    def publish(names: Sequence[str], buffers: Sequence[torch.Tensor]) -> Arrivals:
-        published.append(Arrivals(names, buffers))
+    def publish(
+        names: Sequence[str], buffers: Sequence[torch.Tensor], *, relayed: bool = False
+    ) -> Arrivals:
+        published.append(Arrivals(names, buffers, relayed=relayed))
         return published[-1]
 
     expected, _ = _storage(llama)
@@ -538,7 +540,9 @@ def test_a_storage_load_onto_cuda_marks_each_batch_once_its_copy_has_landed(
     host = [t.contiguous().view(-1).view(torch.uint8) for t in expected.values()]
     made: list[_CheckedArrivals] = []
 
-    def publish(names: Sequence[str], buffers: Sequence[torch.Tensor]) -> Arrivals:
+    def publish(
+        names: Sequence[str], buffers: Sequence[torch.Tensor], *, relayed: bool = False
+    ) -> Arrivals:
         made.append(_CheckedArrivals(names, buffers, host))
         return made[-1]
 

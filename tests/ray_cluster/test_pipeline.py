@@ -465,3 +465,52 @@ def test_a_tp_group_sharing_its_split1_fetches_forwards_while_it_loads(
         read_0, pieces_1 = span("rank.read", 0), span(PIECES, 1)
         assert pieces_1.start_ns < read_0.end_ns - 0.3e9, (read_0.end_ns - pieces_1.start_ns) / 1e9
         assert pieces_1.attributes["rayload.bytes"] == r.plan.ranks[rank].nbytes
+
+
+@pytest.fixture(scope="module")
+def converted_url(s3: S3Server, pipeline_url: tuple[str, Path]) -> tuple[str, Path]:
+    """The 16 MB checkpoint converted for TP 1 (``converted`` publishes only at its end:
+    its files' checksums come after their bytes), in S3, and its local source."""
+    from rayload.loading.convert import convert_checkpoint
+
+    _, local = pipeline_url
+    converted = convert_checkpoint(local, local.parent / "converted-tp1", 1)
+    return s3.upload(converted, "ray-models", "pipeline-converted"), local
+
+
+def test_a_root_that_publishes_at_its_end_outlasting_a_stall_two_hops_down_keeps_the_chain(
+    s3: S3Server,
+    converted_url: tuple[str, Path],
+    slow_link: Callable[[float], None],
+    set_test_hooks: Callable[..., None],
+    no_leaks: Any,
+) -> None:
+    """A chain 0 -> 1 -> 2 whose root reads with ``converted``, which publishes only once
+    its whole load is checked: for longer than 2's stall (its depth 2 times
+    ``peer_stall_s``), no byte comes down the chain. 2 does not take that for a stall:
+    1 offers 2 its channel only once 1's first byte has come (until then 2's wait is
+    one for a channel, watched by pings), so 2 gets everything from 1 and the server
+    serves the checkpoint once."""
+    url, local = converted_url
+    prefix = url.removeprefix("s3://") + "/"
+    stall_s = 1.0
+    set_test_hooks(peer_bucket_bytes=PIECE_BYTES, peer_stall_s=stall_s)
+    slow_link(4e6)  # about 4 s of reading, twice 2's stall
+    s3.proxy.clear()
+    with rayload.load(url, 1, device="cpu", replicas=3, peer_fanout=1, timeout=300) as result:
+        served = s3.proxy.served_bytes(prefix)
+        ranks, ids = result.ranks, result.replica_ids
+        digests, shard = result.apply(_digests), result.plan.ranks[0].nbytes
+    slow_link(0.0)
+    assert digests[0] == digests[1] == digests[2] == _local_digests(local)
+    root = ranks[0]
+    assert root.method.effective is LoadMethod.CONVERTED
+    read_s = root.phase_seconds("rank.read")
+    assert read_s > 2 * stall_s, f"the root read for {read_s:.2f} s: not past 2's stall"
+    for replica in (1, 2):
+        report = ranks[replica]
+        assert report.method.effective is LoadMethod.PEER, report.method.fallback_reason
+        assert report.peer_switch is None
+        assert report.bytes_from_storage == 0 and report.bytes_from_peers == shard
+        assert report.source.startswith(f"peer replica={ids[replica - 1]} ")
+    assert root.bytes_from_storage <= served <= 1.02 * root.bytes_from_storage, served

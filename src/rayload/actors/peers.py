@@ -46,7 +46,7 @@ from rayload.actors.channel import (
     receive,
     span,
 )
-from rayload.loading.arrivals import Arrivals
+from rayload.loading.arrivals import Arrivals, ArrivalsEnded
 from rayload.loading.peer import PeerUnavailable, check_sizes
 
 log = logging.getLogger(__name__)
@@ -190,13 +190,16 @@ class ShardServer:
         for sender in senders:
             sender.join(TRANSFER_TIMEOUT_S)  # one piece at most, bounded by the group
 
-    def publish(self, names: Sequence[str], buffers: Sequence[torch.Tensor]) -> Arrivals:
+    def publish(
+        self, names: Sequence[str], buffers: Sequence[torch.Tensor], *, relayed: bool = False
+    ) -> Arrivals:
         """This load's tensors ``names`` are being written into ``buffers`` (1-D uint8):
         the :class:`Arrivals` its reader marks, which streaming receivers' senders follow
-        (a :data:`~rayload.loading.arrivals.Publish`). Memory published before and not
-        wholly written (a peer that failed, its bytes read again) is given up: its
-        senders stop."""
-        arrivals = Arrivals(names, buffers)
+        (a :class:`~rayload.loading.arrivals.Publish`; ``relayed``: a peer receiver's,
+        whose streaming receivers get their channel once its first byte has come).
+        Memory published before and not wholly written (a peer that failed, its bytes
+        read again) is given up: its senders stop."""
+        arrivals = Arrivals(names, buffers, relayed=relayed)
         with self._changed:
             self._give_up("this rank read its shards again from storage")
             self._arrivals = arrivals
@@ -275,16 +278,7 @@ class ShardServer:
         other shards than ``want``."""
         import torch.distributed as dist
 
-        deadline = time.monotonic() + max(wait_s, 0.0)
-        with self._changed:
-            while not self._settled and not (stream and self._arrivals is not None):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise PeerUnavailable(f"it was still loading after {wait_s:.0f} s")
-                self._changed.wait(left)
-            if self._arrivals is None:
-                raise PeerUnavailable(f"its own load failed: {self._failure or 'no weights'}")
-            arrivals, generation = self._arrivals, self._generation
+        arrivals, generation = self._ready(stream, time.monotonic() + max(wait_s, 0.0), wait_s)
         check_sizes(want, arrivals.nbytes, part=part)
         indices = tuple(i for i, name in enumerate(arrivals.names) if name in want)
         starts = _starts([arrivals.names[i] for i in indices], want, offsets or {})
@@ -310,6 +304,29 @@ class ShardServer:
             self._senders = [t for t in self._senders if t.is_alive()] + [sender]
         sender.start()
         return channel
+
+    def _ready(self, stream: bool, deadline: float, wait_s: float) -> tuple[Arrivals, int]:
+        """The arrivals to send from, and their generation: once the load has finished,
+        or (``stream``) once it knows its tensors and their bytes are coming (a peer
+        receiver's, once its first byte has: until then its own holder may be waiting for
+        its whole load, and this wait, unlike a piece's, is watched by pings, not by a
+        stall). PeerUnavailable when the load failed, or by ``deadline``."""
+        while True:
+            with self._changed:
+                while not self._settled and not (stream and self._arrivals is not None):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise PeerUnavailable(f"it was still loading after {wait_s:.0f} s")
+                    self._changed.wait(left)
+                if self._arrivals is None:
+                    raise PeerUnavailable(f"its own load failed: {self._failure or 'no weights'}")
+                arrivals, generation, settled = self._arrivals, self._generation, self._settled
+            try:
+                if settled or arrivals.started(deadline - time.monotonic()):
+                    return arrivals, generation
+            except ArrivalsEnded:  # given up, its successor published under the same lock
+                continue
+            raise PeerUnavailable(f"it was still loading after {wait_s:.0f} s")
 
     def _send(
         self,

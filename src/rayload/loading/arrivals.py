@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -29,9 +30,14 @@ class ArrivalsEnded(Exception):
 class Arrivals:
     """The landed bytes of a plan's tensors ``names`` (``buffers[i]`` is tensor ``i``'s
     memory: a 1-D uint8 view of it while a load writes it, the tensor itself once
-    loaded). Thread-safe."""
+    loaded). ``relayed``: the bytes come from an upstream holder, which may itself be
+    waiting for its load's end (a method that publishes only then), so they have
+    :meth:`started` only once a first one has landed; a storage read has started as it
+    publishes. Thread-safe."""
 
-    def __init__(self, names: Sequence[str], buffers: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, names: Sequence[str], buffers: Sequence[torch.Tensor], *, relayed: bool = False
+    ) -> None:
         self.names = tuple(names)
         self.buffers = tuple(buffers)
         self.sizes = tuple(int(b.numel() * b.element_size()) for b in buffers)
@@ -39,6 +45,7 @@ class Arrivals:
         self._done = [0] * len(self.sizes)
         self._pending: list[list[tuple[int, int]]] = [[] for _ in self.sizes]
         self._ended: str | None = None
+        self._started = not relayed
         self._changed = threading.Condition()
 
     @property
@@ -52,6 +59,9 @@ class Arrivals:
         if length <= 0:
             return 0
         with self._changed:
+            if not self._started:
+                self._started = True
+                self._changed.notify_all()
             done, pending = self._done[index], self._pending[index]
             if offset + length <= done:
                 return 0
@@ -74,6 +84,7 @@ class Arrivals:
     def complete(self) -> None:
         """Every byte is in place (the load finished)."""
         with self._changed:
+            self._started = True
             self._done = list(self.sizes)
             for pending in self._pending:
                 pending.clear()
@@ -95,6 +106,21 @@ class Arrivals:
         with self._changed:
             return [n for n, d, s in zip(self.names, self._done, self.sizes, strict=True) if d < s]
 
+    def started(self, timeout_s: float) -> bool:
+        """Whether bytes are coming: True at once unless ``relayed``, else once a first
+        byte has landed; False when none has within ``timeout_s``. Raises
+        :class:`ArrivalsEnded` when the load stopped first."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while not self._started:
+                if self._ended is not None:
+                    raise ArrivalsEnded(self._ended)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+            return True
+
     def wait(self, index: int, upto: int, timeout_s: float) -> None:
         """Return once the first ``upto`` bytes of tensor ``index`` are in place; raises
         :class:`ArrivalsEnded` when the load stopped first, TimeoutError when nothing
@@ -115,6 +141,11 @@ class Arrivals:
                 self._changed.wait(left)
 
 
-Publish = Callable[[Sequence[str], Sequence[torch.Tensor]], Arrivals]
-"""How a load publishes its progress: given its tensors' names and memory (1-D uint8),
-the :class:`Arrivals` to mark as their bytes land."""
+class Publish(Protocol):
+    """How a load publishes its progress: given its tensors' names and memory (1-D uint8),
+    the :class:`Arrivals` to mark as their bytes land (``relayed``: see
+    :class:`Arrivals`)."""
+
+    def __call__(
+        self, names: Sequence[str], buffers: Sequence[torch.Tensor], *, relayed: bool = False
+    ) -> Arrivals: ...

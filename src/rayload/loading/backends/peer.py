@@ -84,7 +84,9 @@ class PeerBackend(Backend):
         peer = self._peer()
         with timer.phase(READ, bytes=plan.nbytes, **peer_attributes(peer)) as attrs:
             hosts = list(shard_tensors(plan.shards, views).values())
-            arrivals = (self.publish or Arrivals)([s.name for s in plan.shards], views)
+            arrivals = (self.publish or Arrivals)(
+                [s.name for s in plan.shards], views, relayed=True
+            )
             prefault = Prefaulter(views)
             try:
                 log = _receive(plan, peer, views, arrivals, prefault, timer)
@@ -327,9 +329,14 @@ class _Rest(Arrivals):
     so this rank's own receivers get the storage read's bytes as they land."""
 
     def __init__(
-        self, arrivals: Arrivals, names: Sequence[str], buffers: Sequence[torch.Tensor]
+        self,
+        arrivals: Arrivals,
+        names: Sequence[str],
+        buffers: Sequence[torch.Tensor],
+        *,
+        relayed: bool = False,
     ) -> None:
-        super().__init__(names, buffers)
+        super().__init__(names, buffers, relayed=relayed)
         self._plan = arrivals
 
     def landed(self, index: int, offset: int, length: int) -> int:
