@@ -25,13 +25,17 @@ def test_landed_counts_only_the_bytes_new_past_the_prefix() -> None:
 
 
 def test_relayed_arrivals_start_with_their_first_byte_a_storage_read_s_at_once() -> None:
-    """A peer receiver's arrivals (``relayed``) say bytes are coming only once one has
-    landed: its upstream may be waiting for a whole load first; a storage read's at once."""
+    """A peer receiver's arrivals (``relayed``) say bytes are coming only once its holder
+    has answered (an empty range) or a byte has landed: its upstream may be waiting for
+    a whole load first; a storage read's at once."""
     assert Arrivals(["a"], [torch.empty(8, dtype=torch.uint8)]).started(0.0) is True
     relayed = Arrivals(["a"], [torch.empty(8, dtype=torch.uint8)], relayed=True)
     assert relayed.started(0.05) is False
-    relayed.landed(0, 4, 2)  # any byte, even past the prefix
-    assert relayed.started(0.0) is True
+    assert relayed.landed(0, 0, 0) == 0  # the holder answered: nothing landed, but coming
+    assert relayed.started(0.0) is True and relayed.arrived(0) == 0
+    landed = Arrivals(["a"], [torch.empty(8, dtype=torch.uint8)], relayed=True)
+    landed.landed(0, 4, 2)  # any byte, even past the prefix
+    assert landed.started(0.0) is True
     finished = Arrivals(["a"], [torch.empty(8, dtype=torch.uint8)], relayed=True)
     finished.complete()
     assert finished.started(0.0) is True

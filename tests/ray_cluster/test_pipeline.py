@@ -488,8 +488,8 @@ def test_a_root_that_publishes_at_its_end_outlasting_a_stall_two_hops_down_keeps
     """A chain 0 -> 1 -> 2 whose root reads with ``converted``, which publishes only once
     its whole load is checked: for longer than 2's stall (its depth 2 times
     ``peer_stall_s``), no byte comes down the chain. 2 does not take that for a stall:
-    1 offers 2 its channel only once 1's first byte has come (until then 2's wait is
-    one for a channel, watched by pings), so 2 gets everything from 1 and the server
+    1 offers 2 its channel only once 0 has answered 1 (at 0's end; until then 2's wait
+    is one for a channel, watched by pings), so 2 gets everything from 1 and the server
     serves the checkpoint once."""
     url, local = converted_url
     prefix = url.removeprefix("s3://") + "/"

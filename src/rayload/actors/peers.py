@@ -196,7 +196,7 @@ class ShardServer:
         """This load's tensors ``names`` are being written into ``buffers`` (1-D uint8):
         the :class:`Arrivals` its reader marks, which streaming receivers' senders follow
         (a :class:`~rayload.loading.arrivals.Publish`; ``relayed``: a peer receiver's,
-        whose streaming receivers get their channel once its first byte has come).
+        whose streaming receivers get their channel once its own holder has answered).
         Memory published before and not wholly written (a peer that failed, its bytes
         read again) is given up: its senders stop."""
         arrivals = Arrivals(names, buffers, relayed=relayed)
@@ -308,9 +308,10 @@ class ShardServer:
     def _ready(self, stream: bool, deadline: float, wait_s: float) -> tuple[Arrivals, int]:
         """The arrivals to send from, and their generation: once the load has finished,
         or (``stream``) once it knows its tensors and their bytes are coming (a peer
-        receiver's, once its first byte has: until then its own holder may be waiting for
-        its whole load, and this wait, unlike a piece's, is watched by pings, not by a
-        stall). PeerUnavailable when the load failed, or by ``deadline``."""
+        receiver's, once its own holder has answered: until then that holder may be
+        waiting for its whole load, and this wait, unlike a piece's, is watched by
+        pings, not by a stall). PeerUnavailable when the load failed, or by
+        ``deadline``."""
         while True:
             with self._changed:
                 while not self._settled and not (stream and self._arrivals is not None):

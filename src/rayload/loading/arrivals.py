@@ -32,8 +32,9 @@ class Arrivals:
     memory: a 1-D uint8 view of it while a load writes it, the tensor itself once
     loaded). ``relayed``: the bytes come from an upstream holder, which may itself be
     waiting for its load's end (a method that publishes only then), so they have
-    :meth:`started` only once a first one has landed; a storage read has started as it
-    publishes. Thread-safe."""
+    :meth:`started` only once that holder has answered (the receiver tells an empty
+    range) or a first byte has landed; a storage read has started as it publishes.
+    Thread-safe."""
 
     def __init__(
         self, names: Sequence[str], buffers: Sequence[torch.Tensor], *, relayed: bool = False
@@ -55,13 +56,14 @@ class Arrivals:
     def landed(self, index: int, offset: int, length: int) -> int:
         """Bytes ``offset .. offset + length`` of tensor ``index`` are in place; returns how
         many of them are new past the tensor's arrived prefix (0: told twice; a range
-        past the prefix counts whole)."""
-        if length <= 0:
-            return 0
+        past the prefix counts whole). An empty range says bytes are coming (a relayed
+        load's holder answered): the arrivals have :meth:`started`."""
         with self._changed:
             if not self._started:
                 self._started = True
                 self._changed.notify_all()
+            if length <= 0:
+                return 0
             done, pending = self._done[index], self._pending[index]
             if offset + length <= done:
                 return 0
@@ -107,8 +109,9 @@ class Arrivals:
             return [n for n, d, s in zip(self.names, self._done, self.sizes, strict=True) if d < s]
 
     def started(self, timeout_s: float) -> bool:
-        """Whether bytes are coming: True at once unless ``relayed``, else once a first
-        byte has landed; False when none has within ``timeout_s``. Raises
+        """Whether bytes are coming: True at once unless ``relayed``, else once the
+        holder has answered or a first byte has landed; False when neither has within
+        ``timeout_s``. Raises
         :class:`ArrivalsEnded` when the load stopped first."""
         deadline = time.monotonic() + timeout_s
         with self._changed:

@@ -30,7 +30,9 @@ from rayload.loading.report import PhaseRecord, PhaseTimer
 
 Landed = Callable[[str, int, int], None]
 """``landed(name, offset, length)``: bytes ``offset .. offset + length`` of tensor
-``name`` are in place (what a receiver that forwards while it receives follows)."""
+``name`` are in place (what a receiver that forwards while it receives follows); a
+source tells an empty range (``length`` 0) as soon as its holder has answered, before
+any byte: its bytes are coming, so this rank's own receivers may be given a channel."""
 
 
 class PeerUnavailable(Exception):
