@@ -537,13 +537,13 @@ def test_a_storage_load_onto_cuda_marks_each_batch_once_its_copy_has_landed(
     buffers), not all at its end."""
     path = write_checkpoint(tmp_path / "ckpt", size_gb=0.02)  # some 300 batches of 64 KiB
     expected, _ = _storage(path)
-    host = [t.contiguous().view(-1).view(torch.uint8) for t in expected.values()]
+    host = {n: t.contiguous().view(-1).view(torch.uint8) for n, t in expected.items()}
     made: list[_CheckedArrivals] = []
 
     def publish(
         names: Sequence[str], buffers: Sequence[torch.Tensor], *, relayed: bool = False
     ) -> Arrivals:
-        made.append(_CheckedArrivals(names, buffers, host))
+        made.append(_CheckedArrivals(names, buffers, [host[n] for n in names]))
         return made[-1]
 
     timer = _ArrivedAtToDevice(made)
