@@ -15,10 +15,12 @@ import torch
 from rayload.errors import MethodUnavailableError
 from rayload.loading import load_rank, plan_shards
 from rayload.loading.arrivals import Arrivals
+from rayload.loading.convert import convert_checkpoint
 from rayload.loading.methods import LoadMethod
 from rayload.loading.peer import PIECES, PeerUnavailable, receive_shards, source_label
 from rayload.loading.rank import reload_rank
 from rayload.loading.reader.options import ReaderOptions
+from rayload.loading.reader.readplan import shard_segments
 from rayload.loading.report import (
     READ,
     SYNC,
@@ -225,13 +227,15 @@ def test_failing_peer_falls_back_to_storage_with_the_same_bytes(
 def test_failing_peer_spans_say_what_came_from_storage(llama: Path) -> None:
     _, report = load_rank(llama, 1, TP, "peer", peer=_holder(llama, fail_after=1))
     names = [p.name for p in report.phases]
-    assert names[2:] == [READ, PIECES, READ, TO_DEVICE, TO_DEVICE, SYNC, "rank.post_load"]
-    peer_read, _, storage_read, storage_sink = report.phases[2:6]
+    # The rest is read into the same host memory (no storage method's own to_device),
+    # then moved as a whole.
+    assert names[2:] == [READ, PIECES, READ, TO_DEVICE, SYNC, "rank.post_load"]
+    peer_read, _, storage_read, to_device = report.phases[2:6]
     assert peer_read.error is None, "a peer failure is a fallback, not a failed rank"
     assert peer_read.attributes["source"].startswith("peer ")
     assert "died after 1 shards" in peer_read.attributes["peer.error"]
     assert storage_read.attributes["source"] == "storage"
-    assert storage_sink.attributes["source"] == "storage"
+    assert to_device.attributes.get("source") != "storage"
     assert "peer.replica" not in storage_read.attributes
     shards = plan_shards(llama, TP).ranks[1].shards
     assert storage_read.attributes["bytes"] == sum(s.nbytes for s in shards[1:])
@@ -303,20 +307,76 @@ def test_a_tensor_cut_short_is_resumed_by_the_alternate_from_where_its_bytes_sto
     ) in (report.peer_switch or "")
 
 
-def test_a_tensor_cut_short_is_read_whole_from_storage_and_its_first_bytes_not_counted_kept(
-    llama: Path,
+def _strided(shard: object) -> bool:
+    """Whether ``shard``'s bytes are rows a stride apart in its file (split-1)."""
+    return any(seg.row for seg in shard_segments([shard]))  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "split-1 rows"])
+def test_a_tensor_cut_short_is_read_from_storage_from_the_byte_where_it_stopped(
+    llama: Path, strided: bool
 ) -> None:
+    """``scratch`` reads byte ranges: of a tensor a failed peer cut short, only the bytes
+    after its arrived prefix are read (a split-1 tensor's from inside a row: that row's
+    end, then its other rows), the first ones kept and counted so."""
     expected, _ = _storage(llama)
     shards = plan_shards(llama, TP).ranks[1].shards
-    peer = _holder(llama, fail_after=2, cut_at=shards[2].nbytes // 2)
+    k = next(i for i, s in enumerate(shards) if i >= 2 and _strided(s) == strided)
+    cut_name, cut = shards[k].name, shards[k].nbytes // 2 + 5  # not on a row's edge
+    peer = _holder(llama, fail_after=k, cut_at=cut)
     tensors, report = load_rank(llama, 1, TP, "peer", peer=peer)
     _assert_equal(tensors, expected)
+    kept = _bytes_of(shards[:k]) + cut
+    assert report.bytes_from_peers == kept
+    assert (
+        f"{k} of {len(shards)} tensors ({kept} bytes) had arrived and were kept, the other "
+        f"{len(shards) - k} ({_bytes_of(shards[k:]) - cut} bytes, {cut_name!r} from byte "
+        f"{cut} on) were read from storage"
+    ) in (report.method.fallback_reason or "")
+    # What the reader was asked for (its bytes_read counts split-1 rows' gaps too).
+    [read] = [p for p in report.phases if p.name == READ and p.attributes["source"] == "storage"]
+    assert read.attributes["bytes"] == _bytes_of(shards[k:]) - cut
+
+
+def test_a_tensor_cut_short_is_read_whole_by_a_method_that_reads_whole_tensors(
+    llama: Path, tmp_path: Path
+) -> None:
+    """``converted`` reads (and checks) whole files' tensors: a cut tensor is read again
+    whole, and its first bytes are not counted kept."""
+    converted = convert_checkpoint(llama, tmp_path / "tp2", TP)
+    expected, _ = load_rank(converted, 1, TP, "converted")
+    shards = plan_shards(converted, TP).ranks[1].shards
+    holder = TensorPeer(expected, fail_after=2, cut_at=shards[2].nbytes // 2)
+    tensors, report = load_rank(converted, 1, TP, "peer", peer=holder)
+    _assert_equal(tensors, expected)
+    assert report.method.effective is LoadMethod.CONVERTED
     kept = _bytes_of(shards[:2])
     assert report.bytes_from_peers == kept
     assert (
         f"2 of {len(shards)} tensors ({kept} bytes) had arrived and were kept, the other "
         f"{len(shards) - 2} ({_bytes_of(shards[2:])} bytes) were read from storage"
     ) in (report.method.fallback_reason or "")
+
+
+def test_tail_segments_read_exactly_a_shard_s_bytes_from_any_byte_on(llama: Path) -> None:
+    """The reader's plan of a shard's bytes from byte ``start`` on, checked against the
+    whole shard read, for every shard of a real checkpoint and starts at its first byte,
+    inside a row, on a row's edge and at its last byte."""
+    from rayload.loading.reader.options import ReaderOptions
+    from rayload.loading.reader.readplan import tail_segments
+    from rayload.loading.reader.reads import read_segments
+
+    for shard in plan_shards(llama, TP).ranks[1].shards:
+        [whole], _, _ = read_segments(
+            shard_segments([shard]), [shard.nbytes], torch.device("cpu"), ReaderOptions()
+        )
+        row = next((seg.row for seg in shard_segments([shard]) if seg.row), 4)
+        for start in sorted({0, 1, row, row + 3, shard.nbytes // 2, shard.nbytes - 1}):
+            segments = tail_segments(shard_segments([shard]), start, 0)
+            [tail], _, _ = read_segments(
+                segments, [shard.nbytes - start], torch.device("cpu"), ReaderOptions()
+            )
+            assert torch.equal(tail, whole[start:]), (shard.name, start)
 
 
 def test_every_peer_failing_the_rest_is_read_from_storage_each_failure_named(

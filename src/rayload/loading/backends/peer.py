@@ -9,8 +9,9 @@ the peer fails part way (it died, stalled, or stopped sending), the bytes that h
 arrived are kept and the others are asked of the peer's alternates in turn (other
 holders, nearest first: :meth:`~rayload.loading.peer.PeerSource.alternates`; a tensor cut
 short from the byte where it stopped); when those give everything, the method is still
-``peer`` and ``peer_switch`` names the switch. What none gave is read from storage (a cut
-tensor whole) with the ``storage`` method into the same memory, marked as it lands, so
+``peer`` and ``peer_switch`` names the switch. What none gave is read from storage into
+the same memory (``scratch``'s reader: a cut tensor from where it stopped; a method that
+reads whole tensors: the ``storage`` method, a cut tensor whole), marked as it lands, so
 this rank's own receivers go on (the load does not start over); when nothing had landed,
 or a peer sent what the plan does not hold, the rank reads all of it from storage. Either
 is reported as a fallback: ``effective`` is the storage method, whose phases say
@@ -20,7 +21,7 @@ where. Nothing half-loaded is returned.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -40,7 +41,8 @@ from rayload.loading.peer import (
 )
 from rayload.loading.plan import RankPlan
 from rayload.loading.reader.pages import Prefaulter
-from rayload.loading.reader.reads import shard_tensors
+from rayload.loading.reader.readplan import shard_segments, tail_segments
+from rayload.loading.reader.reads import read_segments, shard_tensors
 from rayload.loading.reader.sinks import host_buffers
 from rayload.loading.report import READ, STORAGE_SOURCE, TO_DEVICE, PhaseTimer
 
@@ -155,22 +157,61 @@ class PeerBackend(Backend):
         (each whole, one cut short included) from storage into the same memory, then move
         them all. The load does not start over; the result (``effective``: the storage
         method) names the switch and how much came from where."""
-        storage = self._storage_backend(publish=partial(_Rest, arrivals))
         rest, views = _missing_part(plan, arrivals, arrivals.buffers)
+        starts: dict[str, int] = {}
         with timer.tagged(source=STORAGE_SOURCE):
-            result = storage._load_into(rest, torch.device("cpu"), timer, views, set())
+            if self.storage is LoadMethod.SCRATCH:  # byte ranges: a cut tensor's rest only
+                index = {name: i for i, name in enumerate(arrivals.names)}
+                starts = {s.name: a for s in rest.shards if (a := arrivals.arrived(index[s.name]))}
+                bytes_read, reason = self._read_rest(rest, views, starts, arrivals, timer), None
+            else:  # a method that reads whole tensors
+                storage = self._storage_backend(publish=partial(_Rest, arrivals))
+                result = storage._load_into(rest, torch.device("cpu"), timer, views, set())
+                bytes_read, reason = result.bytes_read, result.fallback_reason
         for shard in rest.shards:  # a storage method that publishes nothing as it reads
             arrivals.landed_name(shard.name, 0, shard.nbytes)
+        again = replace(rest, shards=tuple(s for s in rest.shards if s.name not in starts))
         return self._to_device(
             plan,
             device,
             timer,
             hosts,
             log,
-            rest=rest,
-            bytes_read=result.bytes_read,
-            fallback_reason=_joined(log.account(rest), result),
+            rest=again,
+            bytes_read=bytes_read,
+            fallback_reason=_joined(log.account(rest, starts), reason),
         )
+
+    def _read_rest(
+        self,
+        rest: RankPlan,
+        views: Sequence[torch.Tensor],
+        starts: Mapping[str, int],
+        arrivals: Arrivals,
+        timer: PhaseTimer,
+    ) -> int:
+        """``scratch``'s read of ``rest`` into ``views`` (its shards' memory), a tensor of
+        ``starts`` (name -> the bytes in place) from there on; each range marked in
+        ``arrivals`` as it lands. Returns the bytes read."""
+        at = [starts.get(s.name, 0) for s in rest.shards]
+        segments = [
+            segment
+            for i, shard in enumerate(rest.shards)
+            for segment in tail_segments(shard_segments([shard]), at[i], i)
+        ]
+        sizes = [s.nbytes - a for s, a in zip(rest.shards, at, strict=True)]
+        names = [s.name for s in rest.shards]
+        with timer.phase(READ, bytes=sum(sizes)) as attrs:
+            _, _, bytes_read = read_segments(
+                segments,
+                sizes,
+                torch.device("cpu"),
+                self.options,
+                targets=[v[a:] for v, a in zip(views, at, strict=True)],
+                publish=lambda buffers: _Rest(arrivals, names, buffers, starts=at),
+            )
+            attrs["bytes_read"] = bytes_read
+        return bytes_read
 
     def _peer(self) -> PeerSource:
         if self.peer is None or self.storage is None:
@@ -200,7 +241,7 @@ class PeerBackend(Backend):
             else:
                 result = storage._load_into(plan, device, timer, resident, set())
         reason = f"{log.failed()}; read from storage instead"
-        return replace(result, fallback_reason=_joined(reason, result))
+        return replace(result, fallback_reason=_joined(reason, result.fallback_reason))
 
     def _storage_backend(self, *, publish: Publish | None) -> Backend:
         """The storage method's backend, for what the peer did not give."""
@@ -255,24 +296,29 @@ class _Received:
             + [f"{source.describe()} failed too: {why}" for source, why in others]
         )
 
-    def account(self, rest: RankPlan | None = None) -> str:
+    def account(self, rest: RankPlan | None = None, starts: Mapping[str, int] | None = None) -> str:
         """How the failures went and how many tensors (and bytes) came from where: kept
         from the first source, then from each alternate (a cut tensor it resumed named,
-        with the byte it resumed at), then ``rest`` read from storage."""
+        with the byte it resumed at), then ``rest`` read from storage (those of
+        ``starts`` from that byte on, their first bytes kept)."""
+        starts = starts or {}
+        again = rest and replace(rest, shards=tuple(s for s in rest.shards if s.name not in starts))
         (_, n, pieces), *others = self.given
         parts = [
-            f"{n} of {len(self.plan.shards)} tensors ({pieces.kept(rest)} bytes) had arrived "
+            f"{n} of {len(self.plan.shards)} tensors ({pieces.kept(again)} bytes) had arrived "
             "and were kept",
             *(
-                f"{n} ({pieces.kept(rest)} bytes{pieces.resumed_said()}) came from "
+                f"{n} ({pieces.kept(again)} bytes{pieces.resumed_said()}) came from "
                 f"{source.describe()}"
                 for source, n, pieces in others
                 if n
             ),
         ]
         if rest is not None:
+            read = rest.nbytes - sum(starts.values())
+            said = "".join(f", {name!r} from byte {at} on" for name, at in starts.items())
             parts.append(
-                f"the other {len(rest.shards)} ({rest.nbytes} bytes) were read from storage"
+                f"the other {len(rest.shards)} ({read} bytes{said}) were read from storage"
             )
         return f"{self.failed()}; {', '.join(parts)}"
 
@@ -335,15 +381,17 @@ class _Rest(Arrivals):
         buffers: Sequence[torch.Tensor],
         *,
         relayed: bool = False,
+        starts: Sequence[int] = (),
     ) -> None:
         super().__init__(names, buffers, relayed=relayed)
         self._plan = arrivals
+        self._starts = tuple(starts) or (0,) * len(self.names)
 
     def landed(self, index: int, offset: int, length: int) -> int:
-        self._plan.landed_name(self.names[index], offset, length)
+        self._plan.landed_name(self.names[index], self._starts[index] + offset, length)
         return super().landed(index, offset, length)
 
 
-def _joined(reason: str, result: BackendResult) -> str:
+def _joined(reason: str, other: str | None) -> str:
     """``reason``, then the storage method's own fallback reason when it has one."""
-    return "; ".join([reason, *([result.fallback_reason] if result.fallback_reason else [])])
+    return "; ".join([reason, *([other] if other else [])])

@@ -204,6 +204,45 @@ def shard_segments(shards: Sequence[TensorShard]) -> list[Segment]:
     return segments
 
 
+def tail_segments(segments: Iterable[Segment], start: int, target: int) -> list[Segment]:
+    """The bytes of one destination's ``segments`` from its byte ``start`` on, as segments
+    into destination ``target`` at ``target_offset - start``: the rest of a tensor whose
+    first ``start`` bytes are in place (a peer's cut short). A strided segment cut inside
+    a row becomes that row's end, then its remaining rows."""
+    tail: list[Segment] = []
+    for seg in segments:
+        skip = start - seg.target_offset
+        if skip >= seg.length:
+            continue
+        if skip <= 0:
+            tail.append(replace(seg, target=target, target_offset=-skip))
+            continue
+        if not seg.row:
+            tail.append(
+                replace(
+                    seg,
+                    offset=seg.offset + skip,
+                    length=seg.length - skip,
+                    target=target,
+                    target_offset=0,
+                )
+            )
+            continue
+        rows, within = divmod(skip, seg.row)
+        offset, at = seg.offset + rows * seg.stride, rows * seg.row - skip
+        if within:
+            part = seg.row - within
+            tail.append(Segment(seg.file, offset + within, part, target, 0, seg.tensor))
+            offset, at, rows = offset + seg.stride, at + seg.row, rows + 1
+        left = seg.length // seg.row - rows
+        if left:
+            row, stride = (seg.row, seg.stride) if left > 1 else (0, 0)
+            tail.append(
+                Segment(seg.file, offset, left * seg.row, target, at, seg.tensor, row, stride)
+            )
+    return tail
+
+
 def _row_run_end(ranges: Sequence[ByteRange], i: int) -> int:
     """End (exclusive) of the run of rows starting at ``ranges[i]``: same file and length,
     a constant stride larger than the length apart."""
