@@ -15,7 +15,8 @@
 # reported and the next one runs; the exit code is the number of failed stages):
 #   probe     the GPU, the driver and what rayload's probe sees (cuFile, nvidia-fs: GDS?)
 #   h2d       pinned and pageable host-to-device bandwidth (CUDA events)
-#   tests     the loading tests, GPU-marked ones included, on this GPU
+#   tests     the loading tests and the peer channel's (a GPU root streaming from device
+#             memory), GPU-marked ones included, on this GPU
 #   verify    every method and peer onto cuda:0 at TP 1 and 2 on a small checkpoint, with
 #             the tensors of all cases hashed and compared
 #   sweep     scratch onto cuda:0 from the page cache, reader threads x chunk size
@@ -131,7 +132,8 @@ EOF
 
 stage probe 60 "$PY" benchmarks/gpu_figures.py probe
 [ "$DEVICE" = cuda ] && stage h2d 60 "$PY" benchmarks/gpu_figures.py h2d 4
-stage tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/loading
+stage tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/loading \
+  tests/ray_cluster/test_peer_channel.py
 stage verify 120 bench verify "$DEVICE" --quick --tp 1 2 --cache warm --no-split-probe \
   --methods scratch converted fastsafetensors fastsafetensors_gdr safe_open_slice \
   fastsafetensors_whole load_file_slice

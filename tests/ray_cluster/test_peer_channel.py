@@ -6,6 +6,7 @@ holder holds."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -260,3 +261,39 @@ def test_a_holder_whose_load_fails_mid_stream_ends_its_receivers_with_what_had_l
     assert "the channel broke after " in str(outcome[0])
     assert [name for _, name in seen] == ["empty", "embed"]
     assert bytes(into["embed"].numpy().tobytes()) == _bytes(held["embed"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_root_streams_its_load_from_device_memory_to_a_receiver(tmp_path: Path) -> None:
+    """A holder whose load goes to a GPU (scratch through staged copies) publishes device
+    memory: a streaming receiver that opened its channel before the load began gets
+    every byte (each piece copied from the device as its staging batch landed)."""
+    from rayload.loading import load_rank, plan_shards
+    from rayload.loading.reader.options import ReaderOptions
+    from rayload.loading.synthetic import write_checkpoint
+
+    path = write_checkpoint(tmp_path / "ckpt", size_gb=0.02)
+    expected, _ = load_rank(path, 0, 1, "scratch", "cpu")
+    sizes = {s.name: s.nbytes for s in plan_shards(path, 1).ranks[0].shards}
+    server = ShardServer(bucket_bytes=64 << 10)
+    loaded: dict[str, torch.Tensor] = {}
+    options = ReaderOptions(threads=2, chunk_bytes=64 << 10, staging_buffers=2)
+
+    def load() -> None:
+        tensors, _ = load_rank(
+            path, 0, 1, "scratch", "cuda", publish=server.publish, reader_options=options
+        )
+        loaded.update(tensors)
+        server.loaded(tensors)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    channel = server.open(HOST, 60.0, sizes, stream=True)  # waits for the publish only
+    into = {name: torch.full((n,), 0xAB, dtype=torch.uint8) for name, n in sizes.items()}
+    arrived = list(receive(channel, HOST, into))
+    loader.join(timeout=60)
+    assert sorted(arrived) == sorted(sizes)
+    assert all(t.device.type == "cuda" for t in loaded.values())
+    for name, tensor in expected.items():
+        assert bytes(into[name].numpy().tobytes()) == _bytes(tensor), name

@@ -287,6 +287,7 @@ def test_a_replica_stalled_mid_pipeline_the_one_below_reads_the_rest_and_goes_on
     stall_s = 3.0
     set_test_hooks(peer_bucket_bytes=PIECE_BYTES, peer_stall_s=stall_s)
     slow_link(3e6)  # replica 0 reads for about 5 s: the freeze lands while it reads
+    s3.proxy.clear()
     chain = _Chain(url)
     chain.start(replicas=2)
     entries = chain.registered(2)
@@ -318,6 +319,10 @@ def test_a_replica_stalled_mid_pipeline_the_one_below_reads_the_rest_and_goes_on
     assert f"the holder stalled: no piece came for {stall_s:g} s" in reason
     assert 0 < report.bytes_from_peers < shard
     assert report.bytes_from_peers + report.bytes_from_storage == shard
+    # The server's count: 0's whole shard (it goes on once thawed) and what 1 lacked,
+    # a cut tensor's rest included, nothing 1 had (headers and config beside).
+    served = s3.proxy.served_bytes(url.removeprefix("s3://") + "/")
+    assert shard + report.bytes_from_storage <= served <= 1.02 * shard + report.bytes_from_storage
     # 2 never took 1 for stalled: everything from 1, including the storage read's bytes,
     # a piece of which came before that read ended.
     onward, onward_digests = chain.outcome[below]
