@@ -13,11 +13,9 @@ group is gone when the last tensor has left, or when the receiver never came or 
 (the group's time-out). Several receivers get several channels, served at once. A reload
 (:meth:`ShardServer.loading`) stops the sends under way at their next bucket and waits for
 them, so no send reads a tensor while it is rewritten; their receivers fall back.
-
-Receiver side: :class:`~rayload.actors.peer_receiver.RayPeerSource` (a module of its own).
-
-Only CPU memory travels: a holder on a GPU copies each tensor to the host before it sends
-(no NCCL path yet), and the receiver's ``rank.to_device`` moves what arrived.
+Receiver side: :class:`~rayload.actors.peer_receiver.RayPeerSource`. Only CPU memory
+travels: a holder on a GPU copies each piece to the host before it sends (no NCCL path
+yet), and the receiver's ``rank.to_device`` moves what arrived.
 """
 
 from __future__ import annotations
@@ -195,10 +193,8 @@ class ShardServer:
     ) -> Arrivals:
         """This load's tensors ``names`` are being written into ``buffers`` (1-D uint8):
         the :class:`Arrivals` its reader marks, which streaming receivers' senders follow
-        (a :class:`~rayload.loading.arrivals.Publish`; ``relayed``: a peer receiver's,
-        whose streaming receivers get their channel once its own holder has answered).
-        Memory published before and not wholly written (a peer that failed, its bytes
-        read again) is given up: its senders stop."""
+        (a :class:`~rayload.loading.arrivals.Publish`). Memory published before and not
+        wholly written (a peer that failed, its bytes read again) is given up."""
         arrivals = Arrivals(names, buffers, relayed=relayed)
         with self._changed:
             self._give_up("this rank read its shards again from storage")
@@ -306,12 +302,9 @@ class ShardServer:
         return channel
 
     def _ready(self, stream: bool, deadline: float, wait_s: float) -> tuple[Arrivals, int]:
-        """The arrivals to send from, and their generation: once the load has finished,
-        or (``stream``) once it knows its tensors and their bytes are coming (a peer
-        receiver's, once its own holder has answered: until then that holder may be
-        waiting for its whole load, and this wait, unlike a piece's, is watched by
-        pings, not by a stall). PeerUnavailable when the load failed, or by
-        ``deadline``."""
+        """The arrivals to send from and their generation: once the load has finished, or
+        (``stream``) once its bytes are coming (:meth:`Arrivals.started`; this wait, not a
+        piece's, is watched by pings). PeerUnavailable if the load failed, or by ``deadline``."""
         while True:
             with self._changed:
                 while not self._settled and not (stream and self._arrivals is not None):
@@ -325,7 +318,7 @@ class ShardServer:
             try:
                 if settled or arrivals.started(deadline - time.monotonic()):
                     return arrivals, generation
-            except ArrivalsEnded:  # given up, its successor published under the same lock
+            except ArrivalsEnded:  # given up: its successor was set under the same lock
                 continue
             raise PeerUnavailable(f"it was still loading after {wait_s:.0f} s")
 
