@@ -153,10 +153,9 @@ class PeerBackend(Backend):
         hosts: list[torch.Tensor],
         arrivals: Arrivals,
     ) -> BackendResult:
-        """The peers failed after some tensors had arrived: keep those, read the others
-        (each whole, one cut short included) from storage into the same memory, then move
-        them all. The load does not start over; the result (``effective``: the storage
-        method) names the switch and how much came from where."""
+        """The peers failed after some bytes had arrived: keep those, read the others from
+        storage into the same memory (a cut tensor: ``scratch`` from where it stopped,
+        others whole), move them all; the result names the switch and what came whence."""
         rest, views = _missing_part(plan, arrivals, arrivals.buffers)
         starts: dict[str, int] = {}
         with timer.tagged(source=STORAGE_SOURCE):
@@ -170,14 +169,13 @@ class PeerBackend(Backend):
                 bytes_read, reason = result.bytes_read, result.fallback_reason
         for shard in rest.shards:  # a storage method that publishes nothing as it reads
             arrivals.landed_name(shard.name, 0, shard.nbytes)
-        again = replace(rest, shards=tuple(s for s in rest.shards if s.name not in starts))
         return self._to_device(
             plan,
             device,
             timer,
             hosts,
             log,
-            rest=again,
+            rest=_read_again(rest, starts),
             bytes_read=bytes_read,
             fallback_reason=_joined(log.account(rest, starts), reason),
         )
@@ -302,7 +300,7 @@ class _Received:
         with the byte it resumed at), then ``rest`` read from storage (those of
         ``starts`` from that byte on, their first bytes kept)."""
         starts = starts or {}
-        again = rest and replace(rest, shards=tuple(s for s in rest.shards if s.name not in starts))
+        again = rest and _read_again(rest, starts)
         (_, n, pieces), *others = self.given
         parts = [
             f"{n} of {len(self.plan.shards)} tensors ({pieces.kept(again)} bytes) had arrived "
@@ -390,6 +388,11 @@ class _Rest(Arrivals):
     def landed(self, index: int, offset: int, length: int) -> int:
         self._plan.landed_name(self.names[index], self._starts[index] + offset, length)
         return super().landed(index, offset, length)
+
+
+def _read_again(rest: RankPlan, starts: Mapping[str, int]) -> RankPlan:
+    """The tensors of ``rest`` read whole again: those not resumed from a byte (``starts``)."""
+    return replace(rest, shards=tuple(s for s in rest.shards if s.name not in starts))
 
 
 def _joined(reason: str, other: str | None) -> str:
