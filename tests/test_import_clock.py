@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from rayload.import_clock import MIN_CHILD_IMPORT_NS
+
 COVERAGE = 0.90
 
 _REPORT = """
@@ -94,7 +96,7 @@ def test_import_clock_times_torch_children_inside_its_import_without_overlap(
     assert records, "no child of torch's import was timed"
     names = [m for m, _, _ in records]
     assert "torch._C" in names and "torch" not in names
-    assert all(b - a >= 5_000_000 for _, a, b in records)
+    assert all(b - a >= MIN_CHILD_IMPORT_NS for _, a, b in records)
     assert all(report["start"] <= a <= b <= report["end"] for _, a, b in records)
     assert all(prev[2] <= nxt[1] for prev, nxt in itertools.pairwise(records))
     covered = sum(b - a for _, a, b in records)

@@ -20,7 +20,7 @@ Span tree::
     │   ├── rayload.spawn.process_start  worker process start until rayload's first import
     │   ├── rayload.spawn.imports        the actor module's imports, one child per package
     │   │   └── rayload.spawn.import.<package>   torch, opentelemetry, rayload
-    │   │       └── rayload.spawn.import.<module>   torch's direct child imports >= 5 ms (module)
+    │   │       └── rayload.spawn.import.<module>   torch's direct child imports >= 1 ms (module)
     │   └── rayload.spawn.actor_init     Ray building the actor and its __init__
     │       └── rayload.spawn.cuda_context   CUDA context created (GPU ranks only)
     ├── rayload.clock_sync        driver, one per rank: the clock-offset round trips
