@@ -4,6 +4,7 @@ reads storage instead, reported as a fallback, whenever the source fails."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,7 +18,7 @@ from rayload.loading import load_rank, plan_shards
 from rayload.loading.arrivals import Arrivals
 from rayload.loading.convert import convert_checkpoint
 from rayload.loading.methods import LoadMethod
-from rayload.loading.peer import PIECES, PeerUnavailable, receive_shards, source_label
+from rayload.loading.peer import PIECES, PeerUnavailable, Uploads, receive_shards, source_label
 from rayload.loading.rank import reload_rank
 from rayload.loading.reader.options import ReaderOptions
 from rayload.loading.reader.readplan import shard_segments
@@ -545,6 +546,9 @@ def test_peer_load_onto_cuda_is_bit_identical_to_storage(mixed_dtype_checkpoint:
     assert report.method.effective is LoadMethod.PEER and report.device == "cuda:0"
     assert all(t.device == torch.device("cuda", 0) for t in tensors.values())
     _assert_equal(tensors, expected)
+    # Each tensor went to the device as it landed, not all after the last.
+    [to_device] = [p for p in report.phases if p.name == TO_DEVICE]
+    assert to_device.attributes["copied_while_receiving"] == report.bytes_from_peers
     _, fell_back = load_rank(path, 1, TP, "peer", "cuda", peer=_holder(path, fail_after=1))
     assert fell_back.method.effective is not LoadMethod.PEER
 
@@ -627,6 +631,57 @@ def test_a_storage_load_onto_cuda_marks_each_batch_once_its_copy_has_landed(
 
 
 # --- the channel's buckets ----------------------------------------------------------------
+
+
+def _upload_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "rayload-upload"]
+
+
+def test_uploads_copy_each_tensor_once_it_has_wholly_landed_and_end_their_thread() -> None:
+    # The CPU stands in for the device: the copies are real, on the uploads' own thread.
+    hosts = [torch.arange(n, dtype=torch.int32) for n in (4, 6, 0, 5)]
+    views = [h.view(torch.uint8) for h in hosts]
+    arrivals = Arrivals([f"t{i}" for i in range(4)], views)
+    before = _upload_threads()
+    with Uploads(arrivals, hosts, torch.device("cpu")) as uploads:
+        arrivals.landed(0, 0, 16)
+        uploads.landed(0)
+        arrivals.landed(1, 0, 8)  # 8 of its 24 bytes
+        uploads.landed(1)
+        uploads.landed(2)  # empty: whole at once
+        arrivals.landed(3, 0, 20)
+        uploads.landed(3)
+        uploads.landed(3)  # told twice: copied once
+        assert len(_upload_threads()) == len(before) + 1
+        copies = uploads.finish()
+    assert sorted(copies) == [0, 2, 3]
+    for i, copy in copies.items():
+        assert torch.equal(copy, hosts[i])
+        assert not copy.numel() or copy.data_ptr() != hosts[i].data_ptr()
+    assert _upload_threads() == before
+
+
+def test_uploads_without_a_device_copy_nothing_and_start_no_thread() -> None:
+    hosts = [torch.ones(3)]
+    arrivals = Arrivals(["t"], [hosts[0].view(torch.uint8)])
+    arrivals.landed(0, 0, 12)
+    before = _upload_threads()
+    with Uploads(arrivals, hosts, None) as uploads:
+        uploads.landed(0)
+        assert _upload_threads() == before
+    assert uploads.finish() == {}
+
+
+def test_leaving_uploads_on_an_error_ends_their_thread() -> None:
+    hosts = [torch.ones(3)]
+    arrivals = Arrivals(["t"], [hosts[0].view(torch.uint8)])
+    before = _upload_threads()
+    with (
+        pytest.raises(RuntimeError, match="the load failed"),
+        Uploads(arrivals, hosts, torch.device("cpu")),
+    ):
+        raise RuntimeError("the load failed")
+    assert _upload_threads() == before
 
 
 def test_buckets_pack_small_tensors_send_large_ones_alone_and_skip_empty_ones() -> None:

@@ -14,12 +14,17 @@ replica, so the new one reads nothing from storage. This module is the Ray-free 
   backend can discard what it got and read storage;
 * :func:`check_sizes`, how a source checks that the peer holds exactly a plan's shards;
 * :func:`source_label` and :func:`peer_attributes`, what the trace says about the source,
-  and :class:`Pieces`, the :data:`PIECES` span of the pieces one source gave.
+  and :class:`Pieces`, the :data:`PIECES` span of the pieces one source gave;
+* :class:`Uploads`, a receiver's copies to its device, each made as its tensor lands.
 """
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from types import TracebackType
 from typing import Any, Protocol
 
 import torch
@@ -269,3 +274,63 @@ class Pieces:
                 },
             )
         )
+
+
+class Uploads:
+    """Copies each tensor of a peer load to ``device`` on a thread of its own as soon as it
+    has wholly landed (:meth:`landed`, told after each piece), so that a GPU receiver's
+    host-to-device copies overlap the receiving of the next tensors instead of all
+    following the last; :meth:`finish` returns the copies made. ``hosts`` are the
+    tensors' host memory, typed (``hosts[i]`` is ``arrivals``' tensor ``i``): a tensor
+    wholly arrived is kept, its bytes never written again, so its copy stays right.
+    ``device`` None: nothing is copied (a CPU load's host tensors are its result). A
+    context manager: leaving it waits for the copies queued."""
+
+    def __init__(
+        self, arrivals: Arrivals, hosts: Sequence[torch.Tensor], device: torch.device | None
+    ) -> None:
+        self._arrivals, self._hosts, self._device = arrivals, hosts, device
+        self._queued: set[int] = set()
+        self._copies: dict[int, torch.Tensor] = {}
+        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="rayload-upload", daemon=True)
+        if device is not None:
+            self._thread.start()
+
+    def landed(self, index: int) -> None:
+        """Bytes of tensor ``index`` have landed: its copy is queued once it is whole."""
+        if self._device is None or index in self._queued:
+            return
+        if self._arrivals.arrived(index) >= self._arrivals.sizes[index]:
+            self._queued.add(index)
+            self._queue.put(index)
+
+    def finish(self) -> dict[int, torch.Tensor]:
+        """Wait for the copies queued; returns them, by tensor index (one whose copy
+        failed is left out: the caller copies it again, and meets its error)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        return self._copies
+
+    def __enter__(self) -> Uploads:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.finish()
+
+    def _run(self) -> None:
+        assert self._device is not None
+        on_device = (
+            torch.cuda.device(self._device)
+            if self._device.type == "cuda"
+            else contextlib.nullcontext()
+        )
+        with on_device:
+            while (index := self._queue.get()) is not None:
+                try:
+                    self._copies[index] = self._hosts[index].to(self._device, copy=True)
+                except Exception:  # out of device memory, say: left to the caller's copy
+                    return

@@ -4,7 +4,9 @@
 allocation, :func:`~rayload.loading.reader.sinks.host_buffers`, so a run of small
 tensors lands from the channel in one piece, with no copy) and copies the peer's bytes in
 (:func:`~rayload.loading.peer.receive_shards`: every planned tensor exactly once, each
-with exactly its shard's byte count); ``rank.to_device`` moves them to the device. When
+with exactly its shard's byte count); onto a GPU each tensor is copied as soon as it has
+wholly landed, on a thread of its own (:class:`~rayload.loading.peer.Uploads`), and
+``rank.to_device`` copies what is left and waits (``copied_while_receiving``). When
 the peer fails part way (it died, stalled, or stopped sending), the bytes that had
 arrived are kept and the others are asked of the peer's alternates in turn (other
 holders, nearest first: :meth:`~rayload.loading.peer.PeerSource.alternates`; a tensor cut
@@ -22,7 +24,7 @@ where. Nothing half-loaded is returned.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -31,14 +33,12 @@ from rayload.loading.arrivals import Arrivals, Publish
 from rayload.loading.backends.base import BACKENDS, Backend, BackendResult, register, synchronize
 from rayload.loading.methods import LoadMethod
 from rayload.loading.peer import (
-    PeerMismatch,
     PeerSource,
-    PeerUnavailable,
-    Pieces,
+    Uploads,
     peer_attributes,
-    receive_shards,
     source_label,
 )
+from rayload.loading.peer_received import Received, missing_part, read_again, receive_from_sources
 from rayload.loading.plan import RankPlan
 from rayload.loading.reader.pages import Prefaulter
 from rayload.loading.reader.readplan import shard_segments, tail_segments
@@ -90,8 +90,9 @@ class PeerBackend(Backend):
                 [s.name for s in plan.shards], views, relayed=True
             )
             prefault = Prefaulter(views)
+            uploads = Uploads(arrivals, hosts, None if device.type == "cpu" else device)
             try:
-                log = _receive(plan, peer, views, arrivals, prefault, timer)
+                log = receive_from_sources(plan, peer, views, arrivals, prefault, timer, uploads)
             finally:
                 attrs["peer.prefault"] = prefault.stop()
             if log.failures:
@@ -104,16 +105,18 @@ class PeerBackend(Backend):
                 attrs["peer.switch"] = log.account()
         for pieces, source in log.pieces:
             pieces.record(timer, source_label(source))
-        if not log.failures:
-            return self._to_device(plan, device, timer, hosts, log)
-        if log.mismatch or (not log.nbytes() and self.publish is None):
-            # Nothing to keep, and no receiver of this rank's to keep going: storage reads
-            # it all, its own way (straight to the device where it can).
-            del hosts
-            return self._from_storage(plan, device, timer, log, views if resident else None)
-        if not arrivals.missing():  # every byte from peers: an alternate gave the rest
-            return self._to_device(plan, device, timer, hosts, log)
-        return self._rest_from_storage(plan, device, timer, log, hosts, arrivals)
+        with uploads:  # its thread ends whichever way this does
+            if not log.failures:
+                return self._to_device(plan, device, timer, hosts, log)
+            if log.mismatch or (not log.nbytes() and self.publish is None):
+                # Nothing to keep, and no receiver of this rank's to keep going: storage
+                # reads it all, its own way (straight to the device where it can).
+                del hosts
+                uploads.finish().clear()  # nothing of it is kept: free the device
+                return self._from_storage(plan, device, timer, log, views if resident else None)
+            if not arrivals.missing():  # every byte from peers: an alternate gave the rest
+                return self._to_device(plan, device, timer, hosts, log)
+            return self._rest_from_storage(plan, device, timer, log, hosts, arrivals)
 
     def _to_device(
         self,
@@ -121,7 +124,7 @@ class PeerBackend(Backend):
         device: torch.device,
         timer: PhaseTimer,
         hosts: list[torch.Tensor],
-        log: _Received,
+        log: Received,
         *,
         rest: RankPlan | None = None,
         bytes_read: int = 0,
@@ -129,9 +132,15 @@ class PeerBackend(Backend):
     ) -> BackendResult:
         """Move ``hosts`` to ``device``: the result, ``rest`` its tensors read from storage
         (``bytes_read``) after the peers failed (``fallback_reason``)."""
-        with timer.phase(TO_DEVICE, device=str(device)):
-            tensors = {s.name: h.to(device) for s, h in zip(plan.shards, hosts, strict=True)}
+        with timer.phase(TO_DEVICE, device=str(device)) as attrs:
+            early = log.uploads.finish()  # those copied as they landed, while receiving
+            tensors = {
+                s.name: early[i] if i in early else h.to(device)
+                for i, (s, h) in enumerate(zip(plan.shards, hosts, strict=True))
+            }
             synchronize(device)
+            if early:
+                attrs["copied_while_receiving"] = sum(t.nbytes for t in early.values())
         effective = self.method if fallback_reason is None else self.storage
         assert effective is not None
         return BackendResult(
@@ -149,14 +158,14 @@ class PeerBackend(Backend):
         plan: RankPlan,
         device: torch.device,
         timer: PhaseTimer,
-        log: _Received,
+        log: Received,
         hosts: list[torch.Tensor],
         arrivals: Arrivals,
     ) -> BackendResult:
         """The peers failed after some bytes had arrived: keep those, read the others from
         storage into the same memory (a cut tensor: ``scratch`` from where it stopped,
         others whole), move them all; the result names the switch and what came whence."""
-        rest, views = _missing_part(plan, arrivals, arrivals.buffers)
+        rest, views = missing_part(plan, arrivals, arrivals.buffers)
         starts: dict[str, int] = {}
         with timer.tagged(source=STORAGE_SOURCE):
             if self.storage is LoadMethod.SCRATCH:  # byte ranges: a cut tensor's rest only
@@ -175,7 +184,7 @@ class PeerBackend(Backend):
             timer,
             hosts,
             log,
-            rest=_read_again(rest, starts),
+            rest=read_again(rest, starts),
             bytes_read=bytes_read,
             fallback_reason=_joined(log.account(rest, starts), reason),
         )
@@ -225,7 +234,7 @@ class PeerBackend(Backend):
         plan: RankPlan,
         device: torch.device,
         timer: PhaseTimer,
-        log: _Received,
+        log: Received,
         resident: list[torch.Tensor] | None,
     ) -> BackendResult:
         """Read ``plan`` with the storage method (into ``resident``, the caller's
@@ -249,124 +258,6 @@ class PeerBackend(Backend):
         )
 
 
-@dataclass
-class _Received:
-    """What a rank's peers gave and how they failed: ``given``, each source asked, in
-    order, with how many tensors it completed and its :class:`Pieces` (which bytes it
-    landed); ``failures``, each source that failed, and why; ``mismatch``, one sent what
-    the plan does not hold."""
-
-    plan: RankPlan
-    first: PeerSource
-    given: list[tuple[PeerSource, int, Pieces]] = field(default_factory=list)
-    failures: list[tuple[PeerSource, str]] = field(default_factory=list)
-    mismatch: bool = False
-
-    @property
-    def pieces(self) -> list[tuple[Pieces, PeerSource]]:
-        return [(pieces, source) for source, _, pieces in self.given]
-
-    def nbytes(self, rest: RankPlan | None = None) -> int:
-        """Bytes that landed from the sources, whole tensors or not (what this rank's own
-        receivers may have had already), less those of ``rest``'s tensors (read again
-        whole from storage)."""
-        return sum(pieces.kept(rest) for _, _, pieces in self.given)
-
-    @property
-    def switched(self) -> bool:
-        """Whether an alternate gave some of the tensors (the first source failed)."""
-        return bool(self.failures) and any(
-            n and s is not self.failures[0][0] for s, n, _ in self.given
-        )
-
-    def largest(self) -> PeerSource:
-        """The source that gave the most bytes (the first asked, when none gave any)."""
-        if not self.nbytes():
-            return self.first
-        return max(self.given, key=lambda g: g[2].nbytes)[0]
-
-    def failed(self) -> str:
-        """``<first source> failed mid-transfer: <why>``, then each alternate that failed
-        too."""
-        (first, why), *others = self.failures
-        return "; ".join(
-            [f"{first.describe()} failed mid-transfer: {why}"]
-            + [f"{source.describe()} failed too: {why}" for source, why in others]
-        )
-
-    def account(self, rest: RankPlan | None = None, starts: Mapping[str, int] | None = None) -> str:
-        """How the failures went and how many tensors (and bytes) came from where: kept
-        from the first source, then from each alternate (a cut tensor it resumed named,
-        with the byte it resumed at), then ``rest`` read from storage (those of
-        ``starts`` from that byte on, their first bytes kept)."""
-        starts = starts or {}
-        again = rest and _read_again(rest, starts)
-        (_, n, pieces), *others = self.given
-        parts = [
-            f"{n} of {len(self.plan.shards)} tensors ({pieces.kept(again)} bytes) had arrived "
-            "and were kept",
-            *(
-                f"{n} ({pieces.kept(again)} bytes{pieces.resumed_said()}) came from "
-                f"{source.describe()}"
-                for source, n, pieces in others
-                if n
-            ),
-        ]
-        if rest is not None:
-            read = rest.nbytes - sum(starts.values())
-            said = "".join(f", {name!r} from byte {at} on" for name, at in starts.items())
-            parts.append(
-                f"the other {len(rest.shards)} ({read} bytes{said}) were read from storage"
-            )
-        return f"{self.failed()}; {', '.join(parts)}"
-
-
-def _receive(
-    plan: RankPlan,
-    peer: PeerSource,
-    views: Sequence[torch.Tensor],
-    arrivals: Arrivals,
-    prefault: Prefaulter,
-    timer: PhaseTimer,
-) -> _Received:
-    """Have ``peer`` fill ``views`` (each shard's memory) with ``plan``'s shards, then, when
-    it fails part way, each of its alternates in turn with what is still missing (a
-    tensor cut short from where its bytes stopped); every range is marked in
-    ``arrivals`` as it lands (this rank's own receivers follow them) and in each source's
-    :class:`Pieces` (a :data:`PIECES` span naming it)."""
-    log = _Received(plan, peer)
-    index = {shard.name: i for i, shard in enumerate(plan.shards)}
-    for source in [peer, *peer.alternates()]:
-        part, part_views = _missing_part(plan, arrivals, views)
-        missing = {shard.name for shard in part.shards}
-        offsets = {n: a for n in missing if (a := arrivals.arrived(index[n]))}
-        pieces = Pieces(arrivals, timer.clock, offsets)
-
-        def landed(name: str, offset: int, length: int, pieces: Pieces = pieces) -> None:
-            pieces.landed(name, offset, length)
-            prefault.advance(length)
-
-        try:
-            receive_shards(part, source, part_views, landed, offsets)
-        except PeerUnavailable as exc:
-            log.failures.append((source, str(exc)))
-            log.mismatch = isinstance(exc, PeerMismatch)
-        log.given.append((source, len(missing - set(arrivals.missing())), pieces))
-        if not log.failures or log.mismatch or not arrivals.missing():
-            break
-    return log
-
-
-def _missing_part(
-    plan: RankPlan, arrivals: Arrivals, views: Sequence[torch.Tensor]
-) -> tuple[RankPlan, list[torch.Tensor]]:
-    """The part of ``plan`` whose tensors have not wholly arrived, and their memory (of
-    ``views``, every shard's)."""
-    missing = set(arrivals.missing())
-    kept = [(s, v) for s, v in zip(plan.shards, views, strict=True) if s.name in missing]
-    return replace(plan, shards=tuple(s for s, _ in kept)), [v for _, v in kept]
-
-
 class _Rest(Arrivals):
     """The arrivals of the tensors a failed peer did not give, read from storage into the
     plan's memory: each range marked here is marked in the whole plan's ``arrivals`` too,
@@ -388,11 +279,6 @@ class _Rest(Arrivals):
     def landed(self, index: int, offset: int, length: int) -> int:
         self._plan.landed_name(self.names[index], self._starts[index] + offset, length)
         return super().landed(index, offset, length)
-
-
-def _read_again(rest: RankPlan, starts: Mapping[str, int]) -> RankPlan:
-    """The tensors of ``rest`` read whole again: those not resumed from a byte (``starts``)."""
-    return replace(rest, shards=tuple(s for s in rest.shards if s.name not in starts))
 
 
 def _joined(reason: str, other: str | None) -> str:
