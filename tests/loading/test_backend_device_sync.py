@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from rayload.loading import load_rank
+from rayload.loading.rank import reload_rank
 from rayload.loading.report import PhaseTimer
 from rayload.loading.synthetic import write_checkpoint
 
@@ -47,3 +48,20 @@ def test_to_device_phase_ends_with_device_idle_on_cuda(large_checkpoint: Path, m
     timer = _IdleAtExitTimer()
     load_rank(large_checkpoint, 0, 2, method, "cuda:0", timer=timer)
     assert timer.idle_at_exit["rank.to_device"] is True
+
+
+def test_a_reload_onto_cuda_lands_after_the_work_already_queued_on_its_tensors(
+    tmp_path: Path,
+) -> None:
+    """The staged copies run on a stream of their own: they must come after what the
+    current stream had queued on the same tensors (a module's initialisation, a forward
+    still running), not race it."""
+    path = write_checkpoint(tmp_path / "ckpt", dtype="f32")
+    tensors, _ = load_rank(path, 0, 2, "scratch", "cuda:0")
+    want = {name: t.clone() for name, t in tensors.items()}
+    torch.cuda._sleep(1_000_000_000)  # the current stream busy for about half a second,
+    for t in tensors.values():  # then zeroing every tensor: queued, not yet run
+        t.zero_()
+    reload_rank(path, 0, 2, tensors, "scratch", "cuda:0")
+    torch.cuda.synchronize()
+    assert all(torch.equal(tensors[name], want[name]) for name in want)

@@ -457,15 +457,18 @@ def test_fastsafetensors_slices_hand_built_plan_bit_identical(
         assert (result.effective, result.fallback_reason) == (LoadMethod.FASTSAFETENSORS, None)
 
 
+@pytest.mark.parametrize("split", [0, 1], ids=["split-0 rows", "split-1 columns"])
 def test_fastsafetensors_shard_owns_its_memory(
-    matrix_file: tuple[Path, torch.Tensor], probe: EnvProbe
+    matrix_file: tuple[Path, torch.Tensor], probe: EnvProbe, split: int
 ) -> None:
-    path, _ = matrix_file
+    # A split-0 piece is contiguous in the file buffer: it must still be a copy of its own.
+    path, matrix = matrix_file
     result = BACKENDS[LoadMethod.FASTSAFETENSORS](probe).load(
-        hand_plan(path, 1, 2, 1), CPU, PhaseTimer()
+        hand_plan(path, 1, 2, split), CPU, PhaseTimer()
     )
     shard = result.tensors["matrix"]
     assert shard.untyped_storage().nbytes() == shard.numel() * shard.element_size()
+    assert torch.equal(shard, matrix.chunk(2, dim=split)[1])
 
 
 def test_gdr_backend_reports_fastsafetensors_silent_cpu_copier_fallback(

@@ -73,8 +73,12 @@ class ConvertedBackend(ReaderBackend):
                 keep=len(shards),
             )
             attrs["bytes_read"] = bytes_read
-            for file, entry in entries.items():
-                verify_file_checksum(file, entry, crc32=_file_crc32(file, pieces))
+            try:
+                for file, entry in entries.items():
+                    verify_file_checksum(file, entry, crc32=_file_crc32(file, pieces))
+            except BaseException:
+                sink.finish()  # no device copy left in flight into memory given back
+                raise
         with timer.phase(TO_DEVICE, device=str(device)):
             sink.finish()
             tensors = shard_tensors(shards, buffers)

@@ -197,5 +197,9 @@ def _take_shard(full: torch.Tensor, shard: TensorShard) -> torch.Tensor:
                 tensor=shard.name,
             )
         pieces = [full.narrow(shard.split, start, n) for start, n in shard.pieces]
-        return torch.cat(pieces, dim=shard.split) if len(pieces) > 1 else pieces[0].contiguous()
+        if len(pieces) > 1:
+            return torch.cat(pieces, dim=shard.split)
+        # A clone, not .contiguous(): a split-0 piece of a contiguous tensor is contiguous
+        # already, a view that would keep the whole file buffer alive.
+        return pieces[0].clone(memory_format=torch.contiguous_format)
     return full.clone(memory_format=torch.contiguous_format)

@@ -109,39 +109,38 @@ class ScratchBackend(ReaderBackend):
         first = share.owned(0)
         arrivals: list[Arrivals] = []  # what a holder forwards while it loads
 
-        def read_first() -> tuple[list[torch.Tensor], Sink, int]:
-            return read_segments(
-                [s for s in segments if s.target not in shared] + whole_segments(first, n),
-                sizes + [s.nbytes for s in first],
-                device,
-                self.options,
-                targets=targets,
-                touched=touched,
-                publish=self._publisher(plan),
-                arrivals_out=arrivals,
-                keep=n,
-            )
+        def read_round(round_: int) -> tuple[list[torch.Tensor], Sink, int]:
+            """Round 0: this rank's other shards and its first whole tensors; then the
+            round's whole tensors. Its device copies are waited for before the group's
+            collective: its arrivals are told then, and a group that fails leaves no copy
+            in flight."""
+            if round_:
+                owned = share.owned(round_)
+                read = read_segments(
+                    whole_segments(owned, 0), [s.nbytes for s in owned], device, self.options
+                )
+            else:
+                read = read_segments(
+                    [s for s in segments if s.target not in shared] + whole_segments(first, n),
+                    sizes + [s.nbytes for s in first],
+                    device,
+                    self.options,
+                    targets=targets,
+                    touched=touched,
+                    publish=self._publisher(plan),
+                    arrivals_out=arrivals,
+                    keep=n,
+                )
+            read[1].finish()
+            return read
 
-        buffers, sink, bytes_read = checked_round(share, self.group, read_first)
+        buffers, sink, bytes_read = checked_round(share, self.group, partial(read_round, 0))
         wholes, buffers = buffers[n:], buffers[:n]
         scatter_s = 0.0
         for round_ in range(len(share.rounds)):
             if round_:
-                owned = share.owned(round_)
-                wholes, more, fetched = checked_round(
-                    share,
-                    self.group,
-                    partial(
-                        read_segments,
-                        whole_segments(owned, 0),
-                        [s.nbytes for s in owned],
-                        device,
-                        self.options,
-                    ),
-                )
-                more.finish()
+                wholes, _, fetched = checked_round(share, self.group, partial(read_round, round_))
                 bytes_read += fetched
-            sink.finish()
             started = time.perf_counter()
             scatter_round(
                 share, round_, self.group, buffers, wholes, touched, next(iter(arrivals), None)

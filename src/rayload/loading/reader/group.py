@@ -308,4 +308,6 @@ def scatter_round(
             pieces = [rows[:, c : c + s.width].contiguous().view(-1) for c in s.columns]
         dist.scatter(destinations[s.target], pieces, group=group, group_src=s.owner)
         if arrivals is not None:
+            if destinations[s.target].device.type == "cuda":  # NCCL's scatter is queued
+                torch.cuda.current_stream(destinations[s.target].device).synchronize()
             arrivals.landed(s.target, 0, destinations[s.target].numel())

@@ -132,6 +132,10 @@ class StagedDeviceSink:
         self.landing = landing
         self.device = targets[0].device if targets else torch.device("cuda", 0)
         self.stream = torch.cuda.Stream(self.device)
+        # The copies come after whatever the current stream has queued on the targets (a
+        # module's initialisation, a forward still running at a reload; the allocator's
+        # last use of fresh memory).
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self._chunk_bytes = settings.chunk_bytes
         self._unallocated = settings.window
         self._free: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()
